@@ -1,0 +1,17 @@
+"""Ids in Agent Lightning 0.3's formats."""
+
+from __future__ import annotations
+
+import secrets
+
+
+def new_rollout_id() -> str:
+    return "ro-" + secrets.token_hex(6)
+
+
+def new_attempt_id() -> str:
+    return "at-" + secrets.token_hex(4)
+
+
+def new_resources_id() -> str:
+    return "rs-" + secrets.token_hex(6)

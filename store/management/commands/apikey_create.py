@@ -1,0 +1,20 @@
+from django.core.management.base import BaseCommand, CommandError
+
+from store import services
+from store.models import ApiKey, Project
+
+
+class Command(BaseCommand):
+    help = "Create an API key for a project; the key is printed once and stored hashed."
+
+    def add_arguments(self, parser):
+        parser.add_argument("project")
+        parser.add_argument("--role", required=True, choices=ApiKey.Role.values)
+        parser.add_argument("--name", default="")
+
+    def handle(self, *args, project, role, name, **options):
+        found = Project.objects.filter(name=project).first()
+        if found is None:
+            raise CommandError(f"no project named {project!r}")
+        _, raw = services.api_key_create(project=found, role=role, name=name)
+        self.stdout.write(raw)

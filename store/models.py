@@ -1,0 +1,238 @@
+"""The LightningStore's tables. Every write goes through store.services."""
+
+from __future__ import annotations
+
+from django.db import models
+from django.db.models import Q
+
+from store.ids import new_resources_id, new_rollout_id
+from store.statemachine import (
+    ATTEMPT_LIVE,
+    QUEUED,
+    AttemptStatus,
+    RolloutStatus,
+    WorkerStatus,
+)
+
+
+class Project(models.Model):
+    """A tenant: every store object belongs to one project."""
+
+    name = models.SlugField(max_length=100, unique=True)
+    description = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class ApiKey(models.Model):
+    class Role(models.TextChoices):
+        RUNNER = "runner"
+        ALGORITHM = "algorithm"
+        ADMIN = "admin"
+
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="api_keys")
+    name = models.CharField(max_length=100)
+    role = models.CharField(max_length=16, choices=Role.choices)
+    # The first characters of the key, stored plain so a key can be found without a scan.
+    prefix = models.CharField(max_length=16, unique=True)
+    # sha256 of the whole key; keys are 256 random bits, so a fast hash is enough.
+    hashed_key = models.CharField(max_length=64)
+    created_at = models.DateTimeField(auto_now_add=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        verbose_name = "API key"
+
+    def __str__(self) -> str:
+        return f"{self.project.name}/{self.name} ({self.role}, {self.prefix}...)"
+
+
+class ResourceSet(models.Model):
+    """A resources id (`rs-...`): a name for an immutable history of versions."""
+
+    id = models.CharField(primary_key=True, max_length=40, default=new_resources_id)
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="resource_sets")
+    version = models.PositiveIntegerField(default=0, help_text="Latest version number")
+    create_time = models.DateTimeField()
+    update_time = models.DateTimeField()
+
+    class Meta:
+        indexes = [
+            # "latest resources" = most recently updated in the project
+            models.Index(fields=["project", "-update_time"], name="resourceset_latest"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.id} v{self.version}"
+
+
+class ResourceVersion(models.Model):
+    resource_set = models.ForeignKey(ResourceSet, on_delete=models.CASCADE, related_name="versions")
+    version = models.PositiveIntegerField()
+    resources = models.JSONField()
+    created_at = models.DateTimeField()
+    # Retention never deletes a version marked keep (e.g. the best checkpoint).
+    keep = models.BooleanField(default=False)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["resource_set", "version"], name="resourceversion_uniq")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.resource_set_id} v{self.version}"
+
+
+class Rollout(models.Model):
+    id = models.CharField(primary_key=True, max_length=40, default=new_rollout_id)
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="rollouts")
+    input = models.JSONField(null=True)
+    mode = models.CharField(max_length=8, null=True, blank=True)
+    resources_id = models.CharField(max_length=40, null=True, blank=True)
+    # The version of `resources_id` pinned when the rollout was enqueued (retention keeps it).
+    resources_version = models.PositiveIntegerField(null=True, blank=True)
+    status = models.CharField(
+        max_length=16, choices=RolloutStatus.choices, default=RolloutStatus.QUEUING
+    )
+    config = models.JSONField(default=dict)
+    metadata = models.JSONField(default=dict, blank=True)
+    start_time = models.DateTimeField()
+    end_time = models.DateTimeField(null=True, blank=True)
+    # Claim order: priority first (higher wins), then FIFO by enqueue time.
+    priority = models.IntegerField(default=0)
+    enqueue_time = models.DateTimeField(null=True, blank=True)
+    # Past this instant a rollout still waiting in the queue fails (None: wait forever).
+    queue_deadline = models.DateTimeField(null=True, blank=True)
+    queue_timeout_seconds = models.FloatField(null=True, blank=True)
+    idempotency_key = models.CharField(max_length=200, null=True, blank=True)
+    latest_attempt = models.ForeignKey(
+        "Attempt", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    attempt_count = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        indexes = [
+            # dequeue: oldest queued rollout of a project, highest priority first
+            models.Index(
+                "project",
+                models.F("priority").desc(),
+                "enqueue_time",
+                name="rollout_claim_order",
+                condition=Q(status__in=QUEUED),
+            ),
+            # watchdog: queued rollouts whose waiting time is bounded
+            models.Index(
+                fields=["queue_deadline"],
+                name="rollout_queue_deadline",
+                condition=Q(status__in=QUEUED, queue_deadline__isnull=False),
+            ),
+            models.Index(fields=["project", "status"], name="rollout_project_status"),
+            models.Index(fields=["project", "start_time"], name="rollout_project_start"),
+            models.Index(fields=["resources_id", "resources_version"], name="rollout_resources"),
+        ]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["project", "idempotency_key"],
+                name="rollout_idempotency_key",
+                condition=Q(idempotency_key__isnull=False),
+            )
+        ]
+
+    def __str__(self) -> str:
+        return self.id
+
+
+class Attempt(models.Model):
+    # attempt ids (`at-` + 8 hex) are too short to be unique across millions of attempts, so
+    # they are unique per rollout, as AGL addresses them: /rollouts/{rid}/attempts/{aid}.
+    rollout = models.ForeignKey(Rollout, on_delete=models.CASCADE, related_name="attempts")
+    attempt_id = models.CharField(max_length=40)
+    sequence_id = models.PositiveIntegerField()
+    status = models.CharField(
+        max_length=16, choices=AttemptStatus.choices, default=AttemptStatus.PREPARING
+    )
+    worker_id = models.CharField(max_length=200, null=True, blank=True)
+    start_time = models.DateTimeField()
+    end_time = models.DateTimeField(null=True, blank=True)
+    last_heartbeat_time = models.DateTimeField(null=True, blank=True)
+    metadata = models.JSONField(default=dict, blank=True)
+    # When the watchdog must look at this attempt: the earlier of the timeout and the
+    # unresponsive limit; None when its rollout's config sets neither.
+    deadline = models.DateTimeField(null=True, blank=True)
+    next_span_sequence_id = models.PositiveIntegerField(default=1)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["rollout", "attempt_id"], name="attempt_id_uniq"),
+            models.UniqueConstraint(fields=["rollout", "sequence_id"], name="attempt_seq_uniq"),
+        ]
+        indexes = [
+            # watchdog: live attempts past their deadline, oldest first
+            models.Index(
+                fields=["deadline"],
+                name="attempt_live_deadline",
+                condition=Q(status__in=ATTEMPT_LIVE, deadline__isnull=False),
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.rollout_id}/{self.attempt_id}"
+
+
+class Span(models.Model):
+    rollout = models.ForeignKey(Rollout, on_delete=models.CASCADE, related_name="spans")
+    attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="spans")
+    sequence_id = models.IntegerField()
+    trace_id = models.CharField(max_length=64)
+    span_id = models.CharField(max_length=32)
+    parent_id = models.CharField(max_length=32, null=True, blank=True)
+    name = models.CharField(max_length=500)
+    status = models.JSONField(default=dict)
+    attributes = models.JSONField(default=dict)
+    events = models.JSONField(default=list)
+    links = models.JSONField(default=list)
+    # OpenTelemetry times as epoch seconds, as AGL sends them.
+    start_time = models.FloatField(null=True)
+    end_time = models.FloatField(null=True)
+    context = models.JSONField(null=True)
+    parent = models.JSONField(null=True)
+    resource = models.JSONField(default=dict)
+    # Unknown fields a client sent; kept and returned as AGL does.
+    extra = models.JSONField(default=dict)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["attempt", "span_id"], name="span_attempt_span_uniq")
+        ]
+        indexes = [
+            models.Index(fields=["rollout", "sequence_id"], name="span_rollout_seq"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.span_id})"
+
+
+class Worker(models.Model):
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="workers")
+    worker_id = models.CharField(max_length=200)
+    status = models.CharField(
+        max_length=16, choices=WorkerStatus.choices, default=WorkerStatus.UNKNOWN
+    )
+    heartbeat_stats = models.JSONField(null=True, blank=True)
+    last_heartbeat_time = models.DateTimeField(null=True, blank=True)
+    last_dequeue_time = models.DateTimeField(null=True, blank=True)
+    last_busy_time = models.DateTimeField(null=True, blank=True)
+    last_idle_time = models.DateTimeField(null=True, blank=True)
+    current_rollout_id = models.CharField(max_length=40, null=True, blank=True)
+    current_attempt_id = models.CharField(max_length=40, null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["project", "worker_id"], name="worker_uniq")
+        ]
+
+    def __str__(self) -> str:
+        return self.worker_id

@@ -1,0 +1,47 @@
+"""Every write to the store. Keyword-only, typed, one short transaction each."""
+
+from store.services.projects import api_key_authenticate, api_key_create, project_create
+from store.services.resources import (
+    resources_add,
+    resources_retain,
+    resources_set_keep,
+    resources_update,
+)
+from store.services.rollouts import (
+    RolloutSpec,
+    attempt_start,
+    rollout_dequeue,
+    rollout_dequeue_many,
+    rollout_enqueue,
+    rollout_enqueue_many,
+    rollout_start,
+    rollout_update,
+)
+from store.services.attempts import AttemptUpdate, attempt_update, attempt_update_many
+from store.services.spans import span_add, span_next_sequence_id, spans_add
+from store.services.workers import worker_update
+
+__all__ = [
+    "AttemptUpdate",
+    "RolloutSpec",
+    "api_key_authenticate",
+    "api_key_create",
+    "attempt_start",
+    "attempt_update",
+    "attempt_update_many",
+    "project_create",
+    "resources_add",
+    "resources_retain",
+    "resources_set_keep",
+    "resources_update",
+    "rollout_dequeue",
+    "rollout_dequeue_many",
+    "rollout_enqueue",
+    "rollout_enqueue_many",
+    "rollout_start",
+    "rollout_update",
+    "span_add",
+    "span_next_sequence_id",
+    "spans_add",
+    "worker_update",
+]

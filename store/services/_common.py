@@ -1,0 +1,170 @@
+"""Helpers shared by the services: deadlines, the rollout-follows-attempt rule, worker sync."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from django.db import connection
+from django.db.models import F, Q
+
+from store.errors import NotFound
+from store.models import Attempt, Project, Rollout, Worker
+from store.statemachine import (
+    ATTEMPT_ENDED,
+    ATTEMPT_LOST,
+    QUEUED,
+    ROLLOUT_TERMINAL,
+    AttemptStatus,
+    RolloutConfig,
+    RolloutStatus,
+    WorkerStatus,
+    rollout_status_for_attempt,
+)
+
+
+def attempt_deadline(
+    config: RolloutConfig, start: datetime, heartbeat: datetime | None
+) -> datetime | None:
+    """When the watchdog must next look at a live attempt (None: never)."""
+    candidates = []
+    if config.timeout_seconds:
+        candidates.append(start + timedelta(seconds=config.timeout_seconds))
+    if config.unresponsive_seconds:
+        candidates.append((heartbeat or start) + timedelta(seconds=config.unresponsive_seconds))
+    return min(candidates) if candidates else None
+
+
+def queue_deadline(rollout: Rollout, now: datetime) -> datetime | None:
+    if rollout.queue_timeout_seconds:
+        return now + timedelta(seconds=rollout.queue_timeout_seconds)
+    return None
+
+
+def set_attempt_status(attempt: Attempt, status: str, now: datetime) -> None:
+    """Apply an already-checked status change to an attempt instance."""
+    previous = attempt.status
+    attempt.status = status
+    if status in ATTEMPT_ENDED:
+        attempt.end_time = now
+    if previous in ATTEMPT_LOST and status not in ATTEMPT_LOST:
+        # A runner reported after the watchdog gave up on it: keep the watchdog's verdict too.
+        attempt.metadata = {**(attempt.metadata or {}), "store.watchdog_verdict": previous}
+
+
+def follow_latest_attempt(rollout: Rollout, attempt: Attempt, now: datetime) -> bool:
+    """Make `rollout` follow its latest attempt's status; True when the rollout changed.
+
+    Terminal rollouts stay terminal, and an attempt that is no longer the latest changes
+    nothing but itself.
+    """
+    if rollout.latest_attempt_id != attempt.pk or rollout.status in ROLLOUT_TERMINAL:
+        return False
+    config = RolloutConfig.parse(rollout.config)
+    new = rollout_status_for_attempt(attempt.status, attempt.sequence_id, config)
+    if new == rollout.status:
+        return False
+    rollout.status = new
+    if new in ROLLOUT_TERMINAL:
+        rollout.end_time = now
+    elif new in QUEUED:
+        # Back to the tail of the queue, with a fresh bound on the wait.
+        rollout.enqueue_time = now
+        rollout.queue_deadline = queue_deadline(rollout, now)
+    return True
+
+
+ROLLOUT_FOLLOW_FIELDS = ["status", "end_time", "enqueue_time", "queue_deadline"]
+
+
+def worker_sync_for_attempts(project_id: int, attempts: list[Attempt], now: datetime) -> None:
+    """AGL's worker bookkeeping: finished -> idle, lost -> unknown, otherwise busy."""
+    rows: dict[str, Worker] = {}
+    for attempt in attempts:
+        if not attempt.worker_id:
+            continue
+        worker = Worker(project_id=project_id, worker_id=attempt.worker_id)
+        if attempt.status in (AttemptStatus.SUCCEEDED, AttemptStatus.FAILED):
+            worker.status, worker.last_idle_time = WorkerStatus.IDLE, now
+        elif attempt.status in ATTEMPT_LOST:
+            worker.status = WorkerStatus.UNKNOWN
+        else:
+            worker.status, worker.last_busy_time = WorkerStatus.BUSY, now
+            worker.current_rollout_id = attempt.rollout_id
+            worker.current_attempt_id = attempt.attempt_id
+        rows[attempt.worker_id] = worker
+    _upsert_workers(list(rows.values()))
+
+
+def worker_mark_dequeued(
+    project_id: int, worker_id: str, claimed: list[Attempt], now: datetime
+) -> None:
+    worker = Worker(project_id=project_id, worker_id=worker_id, last_dequeue_time=now)
+    if claimed:
+        last = claimed[-1]
+        worker.status, worker.last_busy_time = WorkerStatus.BUSY, now
+        worker.current_rollout_id, worker.current_attempt_id = last.rollout_id, last.attempt_id
+    else:
+        worker.status, worker.last_idle_time = WorkerStatus.IDLE, now
+    _upsert_workers([worker], extra=["last_dequeue_time"])
+
+
+def _upsert_workers(workers: list[Worker], extra: list[str] = ()) -> None:
+    if not workers:
+        return
+    workers.sort(key=lambda w: w.worker_id)  # one lock order for every writer
+    busy = [w for w in workers if w.status == WorkerStatus.BUSY]
+    idle = [w for w in workers if w.status == WorkerStatus.IDLE]
+    lost = [w for w in workers if w.status == WorkerStatus.UNKNOWN]
+    groups = [
+        (busy, ["status", "last_busy_time", "current_rollout_id", "current_attempt_id"]),
+        (idle, ["status", "last_idle_time", "current_rollout_id", "current_attempt_id"]),
+        (lost, ["status"]),
+    ]
+    for group, fields in groups:
+        if group:
+            Worker.objects.bulk_create(
+                group,
+                update_conflicts=True,
+                unique_fields=["project", "worker_id"],
+                update_fields=fields + list(extra),
+            )
+
+
+def get_rollout(project: Project, rollout_id: str, *, lock: bool = False) -> Rollout:
+    qs = Rollout.objects.filter(project=project, pk=rollout_id)
+    if lock:
+        qs = qs.select_for_update()
+    rollout = qs.first()
+    if rollout is None:
+        raise NotFound("rollout", rollout_id)
+    return rollout
+
+
+def attempt_filter(project: Project, rollout_id: str, attempt_id: str) -> Q:
+    """Rows for `attempt_id` of a rollout; "latest" names the rollout's latest attempt."""
+    base = Q(rollout_id=rollout_id, rollout__project=project)
+    if attempt_id == "latest":
+        return base & Q(rollout__latest_attempt_id=F("pk"))
+    return base & Q(attempt_id=attempt_id)
+
+
+def lock_resource_set_shared(resources_id: str) -> None:
+    """Hold a share lock on a resources id until commit, so retention waits for us."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1 FROM store_resourceset WHERE id = %s FOR SHARE", [resources_id])
+
+
+__all__ = [
+    "ROLLOUT_FOLLOW_FIELDS",
+    "RolloutStatus",
+    "attempt_deadline",
+    "attempt_filter",
+    "follow_latest_attempt",
+    "get_rollout",
+    "lock_resource_set_shared",
+    "queue_deadline",
+    "set_attempt_status",
+    "worker_mark_dequeued",
+    "worker_sync_for_attempts",
+]

@@ -1,0 +1,139 @@
+"""Attempt updates: a runner's status reports and heartbeats, one or many per transaction."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from django.db import transaction
+from django.db.models import F, Q
+from django.utils import timezone
+
+from store import hooks
+from store.errors import IllegalTransition, InvalidInput, NotFound
+from store.models import Attempt, Project, Rollout
+from store.services._common import (
+    ROLLOUT_FOLLOW_FIELDS,
+    attempt_deadline,
+    follow_latest_attempt,
+    set_attempt_status,
+    worker_sync_for_attempts,
+)
+from store.statemachine import (
+    ATTEMPT_LIVE,
+    ROLLOUT_TERMINAL,
+    AttemptStatus,
+    RolloutConfig,
+    check_attempt_transition,
+)
+
+_UNSET: Any = object()
+
+
+@dataclass
+class AttemptUpdate:
+    """AGL's UpdateAttemptRequest for one attempt ("latest" names the latest one)."""
+
+    rollout_id: str
+    attempt_id: str
+    status: str | None = None
+    worker_id: Any = _UNSET
+    last_heartbeat_time: datetime | None = None
+    metadata: Any = _UNSET
+
+
+def attempt_update(
+    *,
+    project: Project,
+    rollout_id: str,
+    attempt_id: str,
+    status: str | None = None,
+    worker_id: Any = _UNSET,
+    last_heartbeat_time: datetime | None = None,
+    metadata: Any = _UNSET,
+) -> Attempt:
+    update = AttemptUpdate(rollout_id, attempt_id, status, worker_id, last_heartbeat_time, metadata)
+    return attempt_update_many(project=project, updates=[update])[0]
+
+
+def attempt_update_many(*, project: Project, updates: Sequence[AttemptUpdate]) -> list[Attempt]:
+    """Apply runner reports in one transaction. Locks attempts, then their rollouts (the one
+    lock order every writer uses). A rollout follows its latest attempt unless terminal."""
+    for update in updates:
+        if update.status is not None and update.status not in AttemptStatus.values:
+            raise InvalidInput("status", f"must be one of {AttemptStatus.values}")
+        if update.metadata is not _UNSET and update.metadata is not None and not isinstance(
+            update.metadata, dict
+        ):
+            raise InvalidInput("metadata", "must be an object")
+    now = timezone.now()
+    with transaction.atomic():
+        attempts = _lock_attempts(project, updates)
+        rollouts = {
+            r.pk: r
+            for r in Rollout.objects.select_for_update()
+            .filter(pk__in={a.rollout_id for a in attempts})
+            .order_by("pk")
+        }
+        finished: list[str] = []
+        changed_rollouts: dict[str, Rollout] = {}
+        for update, attempt in zip(updates, attempts, strict=True):
+            rollout = rollouts[attempt.rollout_id]
+            was_terminal = rollout.status in ROLLOUT_TERMINAL
+            _apply(update, attempt, rollout, now)
+            if follow_latest_attempt(rollout, attempt, now):
+                changed_rollouts[rollout.pk] = rollout
+                if not was_terminal and rollout.status in ROLLOUT_TERMINAL:
+                    finished.append(rollout.pk)
+        Attempt.objects.bulk_update(
+            attempts,
+            ["status", "end_time", "worker_id", "last_heartbeat_time", "metadata", "deadline"],
+        )
+        if changed_rollouts:
+            Rollout.objects.bulk_update(list(changed_rollouts.values()), ROLLOUT_FOLLOW_FIELDS)
+        worker_sync_for_attempts(project.pk, attempts, now)
+        hooks.notify_rollouts_finished(finished)
+    return attempts
+
+
+def _lock_attempts(project: Project, updates: Sequence[AttemptUpdate]) -> list[Attempt]:
+    keys = [(u.rollout_id, u.attempt_id) for u in updates]
+    rows = (
+        Attempt.objects.select_for_update(of=("self",))
+        .filter(rollout__project=project, rollout_id__in={rid for rid, _ in keys})
+        .filter(Q(attempt_id__in={aid for _, aid in keys}) | Q(rollout__latest_attempt=F("pk")))
+        .annotate(is_latest=Q(rollout__latest_attempt=F("pk")))
+        .order_by("pk")
+    )
+    found: dict[tuple[str, str], Attempt] = {}
+    for attempt in rows:
+        found[(attempt.rollout_id, attempt.attempt_id)] = attempt
+        if attempt.is_latest:
+            found[(attempt.rollout_id, "latest")] = attempt
+    for key in keys:
+        if key not in found:
+            raise NotFound("attempt", f"{key[0]}/{key[1]}")
+    return [found[key] for key in keys]
+
+
+def _apply(update: AttemptUpdate, attempt: Attempt, rollout: Rollout, now: datetime) -> None:
+    if update.status is not None:
+        try:
+            moved = check_attempt_transition(attempt.status, update.status)
+        except ValueError:
+            raise IllegalTransition(
+                "attempt", attempt.attempt_id, attempt.status, update.status
+            ) from None
+        if moved:
+            set_attempt_status(attempt, update.status, now)
+    if update.worker_id is not _UNSET:
+        attempt.worker_id = update.worker_id
+    if update.metadata is not _UNSET:
+        attempt.metadata = update.metadata or {}
+    if update.last_heartbeat_time is not None:
+        attempt.last_heartbeat_time = update.last_heartbeat_time
+    if attempt.status in ATTEMPT_LIVE:
+        config = RolloutConfig.parse(rollout.config)
+        attempt.deadline = attempt_deadline(config, attempt.start_time, attempt.last_heartbeat_time)

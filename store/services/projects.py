@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+
+from django.db import transaction
+from django.utils import timezone
+
+from store.errors import InvalidInput
+from store.models import ApiKey, Project
+
+KEY_PREFIX_LEN = 12
+
+
+def project_create(*, name: str, description: str = "") -> Project:
+    if not name or Project._meta.get_field("name").max_length < len(name):
+        raise InvalidInput("name", "must be 1-100 characters")
+    if Project.objects.filter(name=name).exists():
+        raise InvalidInput("name", f"project {name!r} already exists")
+    return Project.objects.create(name=name, description=description)
+
+
+def _hash(raw: str) -> str:
+    return hashlib.sha256(raw.encode()).hexdigest()
+
+
+def api_key_create(*, project: Project, role: str, name: str = "") -> tuple[ApiKey, str]:
+    """Create a key; returns the row and the raw key, which is never stored or shown again."""
+    if role not in ApiKey.Role.values:
+        raise InvalidInput("role", f"must be one of {ApiKey.Role.values}")
+    raw = "agl_" + secrets.token_urlsafe(32)
+    key = ApiKey.objects.create(
+        project=project,
+        role=role,
+        name=name or role,
+        prefix=raw[:KEY_PREFIX_LEN],
+        hashed_key=_hash(raw),
+    )
+    return key, raw
+
+
+def api_key_authenticate(*, raw: str) -> ApiKey | None:
+    """The live key matching `raw`, compared in constant time, or None."""
+    if not raw or len(raw) < KEY_PREFIX_LEN:
+        return None
+    key = (
+        ApiKey.objects.select_related("project")
+        .filter(prefix=raw[:KEY_PREFIX_LEN], revoked_at__isnull=True)
+        .first()
+    )
+    if key is None or not hmac.compare_digest(key.hashed_key, _hash(raw)):
+        return None
+    now = timezone.now()
+    # Bookkeeping only: at most one write a minute per key.
+    if key.last_used_at is None or (now - key.last_used_at).total_seconds() > 60:
+        with transaction.atomic():
+            ApiKey.objects.filter(pk=key.pk).update(last_used_at=now)
+    return key

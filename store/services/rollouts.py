@@ -1,0 +1,347 @@
+"""Rollout services: enqueue, claim (dequeue), start, update."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from store import hooks
+from store.errors import IllegalTransition, InvalidInput, NotFound
+from store.ids import new_attempt_id, new_rollout_id
+from store.models import Attempt, Project, ResourceSet, Rollout
+from store.services._common import (
+    attempt_deadline,
+    get_rollout,
+    lock_resource_set_shared,
+    queue_deadline,
+    worker_mark_dequeued,
+    worker_sync_for_attempts,
+)
+from store.statemachine import (
+    QUEUED,
+    ROLLOUT_TERMINAL,
+    AttemptStatus,
+    RolloutConfig,
+    RolloutMode,
+    RolloutStatus,
+    check_rollout_transition,
+)
+
+MAX_IDEMPOTENCY_KEY = 200
+_ID_RETRIES = 3
+
+
+@dataclass
+class RolloutSpec:
+    """One rollout to create: AGL's EnqueueRolloutRequest plus our extensions."""
+
+    input: Any = None
+    mode: str | None = None
+    resources_id: str | None = None
+    config: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = field(default=None)
+    priority: int = 0
+    idempotency_key: str | None = None
+    # None: the STORE_QUEUE_TIMEOUT_SECONDS default; 0: wait forever.
+    queue_timeout_seconds: float | None = None
+
+
+def _validate(spec: RolloutSpec) -> RolloutConfig:
+    if spec.mode is not None and spec.mode not in RolloutMode.values:
+        raise InvalidInput("mode", f"must be one of {RolloutMode.values} or null")
+    if spec.metadata is not None and not isinstance(spec.metadata, dict):
+        raise InvalidInput("metadata", "must be an object")
+    if isinstance(spec.priority, bool) or not isinstance(spec.priority, int):
+        raise InvalidInput("priority", "must be an integer")
+    key = spec.idempotency_key
+    if key is not None and (not isinstance(key, str) or not 0 < len(key) <= MAX_IDEMPOTENCY_KEY):
+        raise InvalidInput("idempotency_key", f"must be 1-{MAX_IDEMPOTENCY_KEY} characters")
+    qts = spec.queue_timeout_seconds
+    if qts is not None and (isinstance(qts, bool) or not isinstance(qts, int | float) or qts < 0):
+        raise InvalidInput("queue_timeout_seconds", "must be a number >= 0")
+    return RolloutConfig.parse(spec.config)
+
+
+@dataclass
+class _Pins:
+    """The version each resources id is at now, and the project's latest set."""
+
+    versions: dict[str, int]
+    latest: ResourceSet | None
+
+    def pick(self, resources_id: str | None) -> tuple[str | None, int | None]:
+        if resources_id:
+            return resources_id, self.versions[resources_id]
+        if self.latest is None:
+            return None, None
+        return self.latest.id, self.latest.version
+
+
+def _pin_resources(project: Project, specs: Sequence[RolloutSpec]) -> _Pins:
+    # Lock before reading the version, so retention cannot delete what we are about to pin.
+    named = {s.resources_id for s in specs if s.resources_id}
+    latest_id = None
+    if any(not s.resources_id for s in specs):
+        # AGL gives a rollout enqueued without resources the latest ones.
+        latest_id = (
+            ResourceSet.objects.filter(project=project)
+            .order_by("-update_time")
+            .values_list("id", flat=True)
+            .first()
+        )
+    wanted = named | ({latest_id} if latest_id else set())
+    for rid in sorted(wanted):
+        lock_resource_set_shared(rid)
+    sets = {r.id: r for r in ResourceSet.objects.filter(project=project, id__in=wanted)}
+    missing = named - set(sets)
+    if missing:
+        raise NotFound("resources", sorted(missing)[0])
+    return _Pins({rid: rs.version for rid, rs in sets.items()}, sets.get(latest_id))
+
+
+def _build(project: Project, spec: RolloutSpec, config: RolloutConfig, now: datetime,
+           pins: _Pins) -> Rollout:
+    resources_id, resources_version = pins.pick(spec.resources_id)
+    rollout = Rollout(
+        id=new_rollout_id(),
+        project=project,
+        input=spec.input,
+        mode=spec.mode,
+        resources_id=resources_id,
+        resources_version=resources_version,
+        status=RolloutStatus.QUEUING,
+        config=config.as_json(),
+        metadata=spec.metadata or {},
+        start_time=now,
+        priority=spec.priority,
+        enqueue_time=now,
+        queue_timeout_seconds=_queue_timeout(spec),
+        idempotency_key=spec.idempotency_key,
+    )
+    rollout.queue_deadline = queue_deadline(rollout, now)
+    return rollout
+
+
+def _queue_timeout(spec: RolloutSpec) -> float | None:
+    value = spec.queue_timeout_seconds
+    if value is None:
+        value = settings.STORE_QUEUE_TIMEOUT_SECONDS
+    return value or None
+
+
+def rollout_enqueue_many(*, project: Project, specs: Sequence[RolloutSpec]) -> list[Rollout]:
+    """Queue rollouts in order. A spec whose idempotency key was seen before returns the
+    rollout first created with it (a retried enqueue creates nothing)."""
+    configs = [_validate(spec) for spec in specs]
+    for attempt in range(_ID_RETRIES):
+        try:
+            with transaction.atomic():
+                return _enqueue_once(project, specs, configs)
+        except IntegrityError:
+            # A concurrent enqueue took one of our idempotency keys, or (rarely) an id
+            # collided: re-read the keys and draw new ids.
+            if attempt == _ID_RETRIES - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _enqueue_once(project: Project, specs: Sequence[RolloutSpec],
+                  configs: list[RolloutConfig]) -> list[Rollout]:
+    keys = {s.idempotency_key for s in specs if s.idempotency_key}
+    existing = {
+        r.idempotency_key: r
+        for r in Rollout.objects.filter(project=project, idempotency_key__in=keys)
+    } if keys else {}
+    pins = _pin_resources(project, [s for s in specs if s.idempotency_key not in existing])
+    now = timezone.now()
+    result: list[Rollout] = []
+    new: list[Rollout] = []
+    for index, (spec, config) in enumerate(zip(specs, configs, strict=True)):
+        key = spec.idempotency_key
+        if key and key in existing:
+            result.append(existing[key])
+            continue
+        # Microsecond steps keep FIFO order inside one batch.
+        rollout = _build(project, spec, config, now + timedelta(microseconds=index), pins)
+        if key:
+            existing[key] = rollout
+        new.append(rollout)
+        result.append(rollout)
+    Rollout.objects.bulk_create(new)
+    return result
+
+
+def rollout_enqueue(*, project: Project, spec: RolloutSpec) -> Rollout:
+    return rollout_enqueue_many(project=project, specs=[spec])[0]
+
+
+def _new_attempt(rollout: Rollout, worker_id: str | None, now: datetime) -> Attempt:
+    config = RolloutConfig.parse(rollout.config)
+    return Attempt(
+        rollout=rollout,
+        attempt_id=new_attempt_id(),
+        sequence_id=rollout.attempt_count + 1,
+        status=AttemptStatus.PREPARING,
+        worker_id=worker_id,
+        start_time=now,
+        deadline=attempt_deadline(config, now, None),
+    )
+
+
+def _attach(rollouts: list[Rollout], attempts: list[Attempt]) -> None:
+    Attempt.objects.bulk_create(attempts)
+    for rollout, attempt in zip(rollouts, attempts, strict=True):
+        rollout.status = RolloutStatus.PREPARING
+        rollout.latest_attempt = attempt
+        rollout.attempt_count = attempt.sequence_id
+        rollout.queue_deadline = None
+    Rollout.objects.bulk_update(
+        rollouts, ["status", "latest_attempt", "attempt_count", "queue_deadline"]
+    )
+
+
+def rollout_dequeue_many(
+    *, project: Project, worker_id: str | None = None, limit: int = 1
+) -> list[tuple[Rollout, Attempt]]:
+    """Claim up to `limit` queued rollouts (highest priority, then oldest first), each with
+    a new attempt, in one transaction; rows another claimer holds are skipped, not waited on."""
+    if limit < 1:
+        raise InvalidInput("limit", "must be >= 1")
+    now = timezone.now()
+    with transaction.atomic():
+        rollouts = list(
+            Rollout.objects.select_for_update(skip_locked=True)
+            .filter(project=project, status__in=QUEUED)
+            .filter(Q(queue_deadline__isnull=True) | Q(queue_deadline__gt=now))
+            .order_by("-priority", "enqueue_time")[:limit]
+        )
+        attempts = [_new_attempt(rollout, worker_id, now) for rollout in rollouts]
+        if rollouts:
+            _attach(rollouts, attempts)
+        if worker_id:
+            worker_mark_dequeued(project.pk, worker_id, attempts, now)
+    return list(zip(rollouts, attempts, strict=True))
+
+
+def rollout_dequeue(
+    *, project: Project, worker_id: str | None = None
+) -> tuple[Rollout, Attempt] | None:
+    claimed = rollout_dequeue_many(project=project, worker_id=worker_id, limit=1)
+    return claimed[0] if claimed else None
+
+
+def rollout_start(
+    *, project: Project, spec: RolloutSpec, worker_id: str | None = None
+) -> tuple[Rollout, Attempt]:
+    """Create a rollout that skips the queue: already preparing, with attempt 1."""
+    config = _validate(spec)
+    now = timezone.now()
+    with transaction.atomic():
+        pins = _pin_resources(project, [spec])
+        rollout = _build(project, spec, config, now, pins)
+        rollout.queue_deadline = None
+        rollout.save(force_insert=True)
+        attempt = _new_attempt(rollout, worker_id, now)
+        _attach([rollout], [attempt])
+        worker_sync_for_attempts(project.pk, [attempt], now)
+    return rollout, attempt
+
+
+def attempt_start(
+    *, project: Project, rollout_id: str, worker_id: str | None = None
+) -> tuple[Rollout, Attempt]:
+    """Start a new attempt by hand (ignores max_attempts, as AGL does)."""
+    now = timezone.now()
+    with transaction.atomic():
+        rollout = get_rollout(project, rollout_id, lock=True)
+        if rollout.status in ROLLOUT_TERMINAL:
+            raise IllegalTransition("rollout", rollout_id, rollout.status, "preparing")
+        attempt = _new_attempt(rollout, worker_id, now)
+        _attach([rollout], [attempt])
+        worker_sync_for_attempts(project.pk, [attempt], now)
+    return rollout, attempt
+
+
+_UNSET = object()
+
+
+def rollout_update(
+    *,
+    project: Project,
+    rollout_id: str,
+    input: Any = _UNSET,
+    mode: Any = _UNSET,
+    resources_id: Any = _UNSET,
+    status: Any = _UNSET,
+    config: Any = _UNSET,
+    metadata: Any = _UNSET,
+) -> Rollout:
+    """AGL's update_rollout; fields left out are unchanged. Terminal rollouts stay terminal."""
+    now = timezone.now()
+    with transaction.atomic():
+        rollout = get_rollout(project, rollout_id, lock=True)
+        changed: list[str] = []
+        if status is not _UNSET and status is not None:
+            _apply_rollout_status(rollout, status, now, changed)
+        if input is not _UNSET:
+            rollout.input = input
+            changed.append("input")
+        if mode is not _UNSET:
+            if mode is not None and mode not in RolloutMode.values:
+                raise InvalidInput("mode", f"must be one of {RolloutMode.values} or null")
+            rollout.mode = mode
+            changed.append("mode")
+        if resources_id is not _UNSET:
+            _apply_resources(project, rollout, resources_id, changed)
+        if config is not _UNSET and config is not None:
+            rollout.config = RolloutConfig.parse(config).as_json()
+            changed.append("config")
+        if metadata is not _UNSET:
+            if metadata is not None and not isinstance(metadata, dict):
+                raise InvalidInput("metadata", "must be an object")
+            rollout.metadata = metadata or {}
+            changed.append("metadata")
+        if changed:
+            rollout.save(update_fields=sorted(set(changed)))
+    return rollout
+
+
+def _apply_rollout_status(rollout: Rollout, status: str, now: datetime, changed: list) -> None:
+    try:
+        moved = check_rollout_transition(rollout.status, status)
+    except ValueError as exc:
+        if status not in RolloutStatus.values:
+            raise InvalidInput("status", str(exc)) from None
+        raise IllegalTransition("rollout", rollout.pk, rollout.status, status) from None
+    if not moved:
+        return
+    rollout.status = status
+    changed.append("status")
+    if status in ROLLOUT_TERMINAL:
+        rollout.end_time = now
+        changed.append("end_time")
+        hooks.notify_rollouts_finished([rollout.pk])
+    elif status in QUEUED:
+        rollout.enqueue_time = now
+        rollout.queue_deadline = queue_deadline(rollout, now)
+        changed += ["enqueue_time", "queue_deadline"]
+
+
+def _apply_resources(project: Project, rollout: Rollout, resources_id: str | None,
+                     changed: list) -> None:
+    if resources_id is None:
+        rollout.resources_id = rollout.resources_version = None
+    else:
+        rs = ResourceSet.objects.filter(project=project, id=resources_id).first()
+        if rs is None:
+            raise NotFound("resources", resources_id)
+        lock_resource_set_shared(rs.id)
+        rollout.resources_id, rollout.resources_version = rs.id, rs.version
+    changed += ["resources_id", "resources_version"]

@@ -1,0 +1,161 @@
+"""Span ingest: batched inserts, duplicates ignored, every span an attempt heartbeat."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import transaction
+from django.db.models import F, Q
+from django.utils import timezone
+
+from store.errors import InvalidInput, NotFound
+from store.models import Attempt, Project, Rollout, Span
+from store.services._common import attempt_deadline, attempt_filter
+from store.statemachine import AttemptStatus, RolloutConfig, RolloutStatus
+
+# A heartbeat rewrites its attempt at most this often; the watchdog's view of a busy attempt
+# is at most this stale, and a stream of spans costs one attempt write a second, not one each.
+HEARTBEAT_MIN_INTERVAL = timedelta(seconds=1)
+_REVIVABLE = (AttemptStatus.PREPARING, AttemptStatus.RUNNING, AttemptStatus.UNRESPONSIVE)
+_KNOWN = {
+    "rollout_id", "attempt_id", "sequence_id", "trace_id", "span_id", "parent_id", "name",
+    "status", "attributes", "events", "links", "start_time", "end_time", "context", "parent",
+    "resource",
+}
+
+
+def span_add(*, project: Project, span: dict[str, Any]) -> Span | None:
+    """Add one span; None when (rollout, attempt, span_id) was already stored."""
+    return spans_add(project=project, spans=[span])[0]
+
+
+def spans_add(
+    *, project: Project, spans: Sequence[dict[str, Any]], now: datetime | None = None
+) -> list[Span | None]:
+    """Add spans in one batched insert; returns the new rows, None where a span was a
+    duplicate. Each attempt that received a span gets a heartbeat."""
+    for index, span in enumerate(spans):
+        _validate(span, index)
+    now = now or timezone.now()
+    attempts = _attempts_for(project, spans)
+    existing = set(
+        Span.objects.filter(
+            attempt__in=[a.pk for a in attempts.values()],
+            span_id__in={s["span_id"] for s in spans},
+        ).values_list("attempt_id", "span_id")
+    )
+    result: list[Span | None] = []
+    new: list[Span] = []
+    for span in spans:
+        attempt = attempts[(span["rollout_id"], span["attempt_id"])]
+        key = (attempt.pk, span["span_id"])
+        if key in existing:
+            result.append(None)
+            continue
+        existing.add(key)
+        row = _row(span, attempt)
+        new.append(row)
+        result.append(row)
+    with transaction.atomic():
+        # A concurrent writer of the same span loses quietly: identity makes it harmless.
+        Span.objects.bulk_create(new, ignore_conflicts=True, batch_size=1000)
+        heartbeat(list(attempts.values()), now)
+    return result
+
+
+def _validate(span: Any, index: int) -> None:
+    if not isinstance(span, dict):
+        raise InvalidInput(f"spans[{index}]", "must be an object")
+    for name in ("rollout_id", "attempt_id", "trace_id", "span_id", "name"):
+        if not isinstance(span.get(name), str) or not span[name]:
+            raise InvalidInput(f"spans[{index}].{name}", "must be a non-empty string")
+    seq = span.get("sequence_id")
+    if isinstance(seq, bool) or not isinstance(seq, int):
+        raise InvalidInput(f"spans[{index}].sequence_id", "must be an integer")
+    for name in ("attributes", "resource"):
+        if span.get(name) is not None and not isinstance(span[name], dict):
+            raise InvalidInput(f"spans[{index}].{name}", "must be an object")
+    for name in ("start_time", "end_time"):
+        value = span.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise InvalidInput(f"spans[{index}].{name}", "must be a number or null")
+
+
+def _attempts_for(project: Project, spans: Sequence[dict]) -> dict[tuple[str, str], Attempt]:
+    keys = {(s["rollout_id"], s["attempt_id"]) for s in spans}
+    rows = (
+        Attempt.objects.select_related("rollout")
+        .filter(rollout__project=project, rollout_id__in={rid for rid, _ in keys})
+        .filter(attempt_id__in={aid for _, aid in keys})
+    )
+    found = {(a.rollout_id, a.attempt_id): a for a in rows}
+    for key in sorted(keys):
+        if key not in found:
+            raise NotFound("attempt", f"{key[0]}/{key[1]}")
+    return {key: found[key] for key in keys}
+
+
+def _row(span: dict[str, Any], attempt: Attempt) -> Span:
+    return Span(
+        rollout_id=attempt.rollout_id,
+        attempt_id=attempt.pk,
+        sequence_id=span["sequence_id"],
+        trace_id=span["trace_id"],
+        span_id=span["span_id"],
+        parent_id=span.get("parent_id"),
+        name=span["name"],
+        status=span.get("status") or {"status_code": "UNSET", "description": None},
+        attributes=span.get("attributes") or {},
+        events=span.get("events") or [],
+        links=span.get("links") or [],
+        start_time=span.get("start_time"),
+        end_time=span.get("end_time"),
+        context=span.get("context"),
+        parent=span.get("parent"),
+        resource=span.get("resource") or {"attributes": {}, "schema_url": ""},
+        extra={k: v for k, v in span.items() if k not in _KNOWN},
+    )
+
+
+def heartbeat(attempts: list[Attempt], now: datetime) -> None:
+    """AGL: a span is its attempt's heartbeat. preparing/unresponsive -> running, and the
+    rollout of a latest attempt preparing/requeuing -> running. Never revives an attempt that
+    ended (succeeded, failed, timeout), never moves a terminal rollout. Compare-and-swap
+    updates, so a concurrent watchdog verdict or runner report is never overwritten."""
+    for attempt in sorted(attempts, key=lambda a: a.pk):
+        if attempt.status not in _REVIVABLE:
+            continue
+        last = attempt.last_heartbeat_time
+        if attempt.status == AttemptStatus.RUNNING and last and now - last < HEARTBEAT_MIN_INTERVAL:
+            continue
+        config = RolloutConfig.parse(attempt.rollout.config)
+        moved = Attempt.objects.filter(pk=attempt.pk, status__in=_REVIVABLE).update(
+            status=AttemptStatus.RUNNING,
+            last_heartbeat_time=now,
+            deadline=attempt_deadline(config, attempt.start_time, now),
+        )
+        if moved and attempt.rollout.latest_attempt_id == attempt.pk:
+            Rollout.objects.filter(
+                pk=attempt.rollout_id,
+                latest_attempt=attempt.pk,
+                status__in=(RolloutStatus.PREPARING, RolloutStatus.REQUEUING),
+            ).update(status=RolloutStatus.RUNNING, queue_deadline=None)
+
+
+def span_next_sequence_id(
+    *, project: Project, rollout_id: str, attempt_id: str, count: int = 1
+) -> int:
+    """Reserve `count` span sequence ids for an attempt; returns the first."""
+    if count < 1:
+        raise InvalidInput("count", "must be >= 1")
+    with transaction.atomic():
+        query = Attempt.objects.filter(attempt_filter(project, rollout_id, attempt_id))
+        pk = query.values_list("pk", flat=True).first()
+        if pk is None:
+            raise NotFound("attempt", f"{rollout_id}/{attempt_id}")
+        Attempt.objects.filter(pk=pk).update(next_span_sequence_id=F("next_span_sequence_id") + count)
+        # The row stays locked by our update until commit, so this read is ours alone.
+        after = Attempt.objects.filter(Q(pk=pk)).values_list("next_span_sequence_id", flat=True)
+        return after.get() - count

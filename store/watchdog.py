@@ -1,0 +1,142 @@
+"""The watchdog sweep: time out, mark unresponsive, expire queue waits, then retry or fail.
+
+Runs on a schedule (celery-beat), independent of traffic. Each batch is one short transaction
+over a partial index; rows another process holds are skipped and picked up by the next sweep,
+so sweeps may run concurrently with each other and with heartbeats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from store import hooks
+from store.models import Attempt, Rollout
+from store.services._common import (
+    ROLLOUT_FOLLOW_FIELDS,
+    attempt_deadline,
+    follow_latest_attempt,
+    set_attempt_status,
+    worker_sync_for_attempts,
+)
+from store.statemachine import (
+    ATTEMPT_LIVE,
+    QUEUED,
+    ROLLOUT_TERMINAL,
+    AttemptStatus,
+    RolloutConfig,
+    RolloutStatus,
+)
+
+QUEUE_EXPIRED = "queue wait expired"
+
+
+@dataclass
+class SweepResult:
+    timed_out: list[str] = field(default_factory=list)  # "ro-.../at-..." of each attempt
+    unresponsive: list[str] = field(default_factory=list)
+    requeued: list[str] = field(default_factory=list)  # rollout ids sent back to the queue
+    failed: list[str] = field(default_factory=list)  # rollout ids failed by the sweep
+    queue_expired: list[str] = field(default_factory=list)
+
+    @property
+    def changed(self) -> int:
+        return len(self.timed_out) + len(self.unresponsive) + len(self.queue_expired)
+
+    def as_dict(self) -> dict[str, list[str]]:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+def sweep(
+    *, now: datetime | None = None, batch_size: int | None = None, max_batches: int = 20
+) -> SweepResult:
+    """One pass of the watchdog; at most `max_batches` batches of each kind."""
+    now = now or timezone.now()
+    batch_size = batch_size or settings.STORE_SWEEP_BATCH_SIZE
+    result = SweepResult()
+    for _ in range(max_batches):
+        if _sweep_attempts(now, batch_size, result) < batch_size:
+            break
+    for _ in range(max_batches):
+        if _expire_queue_waits(now, batch_size, result) < batch_size:
+            break
+    return result
+
+
+def _sweep_attempts(now: datetime, batch_size: int, result: SweepResult) -> int:
+    with transaction.atomic():
+        # Served by the partial index attempt_live_deadline.
+        attempts = list(
+            Attempt.objects.select_for_update(skip_locked=True)
+            .filter(status__in=ATTEMPT_LIVE, deadline__lte=now)
+            .order_by("deadline")[:batch_size]
+        )
+        if not attempts:
+            return 0
+        rollouts = {
+            r.pk: r
+            for r in Rollout.objects.select_for_update()
+            .filter(pk__in={a.rollout_id for a in attempts})
+            .order_by("pk")
+        }
+        lost, changed, finished = [], {}, []
+        for attempt in attempts:
+            rollout = rollouts[attempt.rollout_id]
+            verdict = _verdict(attempt, RolloutConfig.parse(rollout.config), now)
+            if verdict is None:
+                continue
+            set_attempt_status(attempt, verdict, now)
+            lost.append(attempt)
+            key = f"{attempt.rollout_id}/{attempt.attempt_id}"
+            (result.timed_out if verdict == AttemptStatus.TIMEOUT else result.unresponsive).append(key)
+            was_terminal = rollout.status in ROLLOUT_TERMINAL
+            if follow_latest_attempt(rollout, attempt, now):
+                changed[rollout.pk] = rollout
+                if rollout.status in QUEUED:
+                    result.requeued.append(rollout.pk)
+                elif rollout.status == RolloutStatus.FAILED and not was_terminal:
+                    result.failed.append(rollout.pk)
+                    finished.append(rollout.pk)
+        Attempt.objects.bulk_update(attempts, ["status", "end_time", "deadline", "metadata"])
+        if changed:
+            Rollout.objects.bulk_update(list(changed.values()), ROLLOUT_FOLLOW_FIELDS)
+        for project_id in {r.project_id for r in rollouts.values()}:
+            worker_sync_for_attempts(
+                project_id, [a for a in lost if rollouts[a.rollout_id].project_id == project_id], now
+            )
+        hooks.notify_rollouts_finished(finished)
+    return len(attempts)
+
+
+def _verdict(attempt: Attempt, config: RolloutConfig, now: datetime) -> str | None:
+    """timeout or unresponsive, or None after refreshing a deadline a heartbeat moved on."""
+    if config.timeout_seconds and (now - attempt.start_time).total_seconds() > config.timeout_seconds:
+        return AttemptStatus.TIMEOUT
+    last = attempt.last_heartbeat_time or attempt.start_time
+    if config.unresponsive_seconds and (now - last).total_seconds() > config.unresponsive_seconds:
+        return AttemptStatus.UNRESPONSIVE
+    attempt.deadline = attempt_deadline(config, attempt.start_time, attempt.last_heartbeat_time)
+    return None
+
+
+def _expire_queue_waits(now: datetime, batch_size: int, result: SweepResult) -> int:
+    with transaction.atomic():
+        # Served by the partial index rollout_queue_deadline.
+        rollouts = list(
+            Rollout.objects.select_for_update(skip_locked=True)
+            .filter(status__in=QUEUED, queue_deadline__isnull=False, queue_deadline__lte=now)
+            .order_by("queue_deadline")[:batch_size]
+        )
+        for rollout in rollouts:
+            rollout.status = RolloutStatus.FAILED
+            rollout.end_time = now
+            rollout.metadata = {**(rollout.metadata or {}), "store.failure": QUEUE_EXPIRED}
+            result.queue_expired.append(rollout.pk)
+        if rollouts:
+            Rollout.objects.bulk_update(rollouts, ["status", "end_time", "metadata"])
+            hooks.notify_rollouts_finished([r.pk for r in rollouts])
+    return len(rollouts)

@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from store import services
+from store.models import Attempt, Project, Rollout
+from store.services import RolloutSpec
+
+
+@pytest.fixture
+def project(db) -> Project:
+    return services.project_create(name="proj")
+
+
+@pytest.fixture
+def other_project(db) -> Project:
+    return services.project_create(name="other")
+
+
+def enqueue(project: Project, n: int = 1, **kwargs) -> list[Rollout]:
+    specs = [RolloutSpec(input={"i": i}, **kwargs) for i in range(n)]
+    return services.rollout_enqueue_many(project=project, specs=specs)
+
+
+def claim(project: Project, worker_id: str = "w1") -> tuple[Rollout, Attempt]:
+    claimed = services.rollout_dequeue(project=project, worker_id=worker_id)
+    assert claimed is not None
+    return claimed
+
+
+def backdate(attempt: Attempt, seconds: float) -> None:
+    """Move an attempt's clock into the past, as if it started `seconds` ago."""
+    shift = timedelta(seconds=seconds)
+    attempt.refresh_from_db()
+    Attempt.objects.filter(pk=attempt.pk).update(
+        start_time=attempt.start_time - shift,
+        last_heartbeat_time=(attempt.last_heartbeat_time - shift)
+        if attempt.last_heartbeat_time else None,
+        deadline=(attempt.deadline - shift) if attempt.deadline else None,
+    )
+
+
+def now():
+    return timezone.now()

@@ -1,0 +1,157 @@
+import pytest
+
+from store import services
+from store.errors import IllegalTransition, InvalidInput, NotFound
+from store.models import Rollout, Worker
+from store.services import AttemptUpdate, RolloutSpec
+from tests.conftest import claim, enqueue
+
+RETRY = {"max_attempts": 2, "retry_condition": ["failed"]}
+
+
+def finish(project, rollout, attempt, status):
+    return services.attempt_update(
+        project=project, rollout_id=rollout.pk, attempt_id=attempt.attempt_id, status=status
+    )
+
+
+def test_success_report_finishes_rollout_and_idles_worker(project):
+    enqueue(project, 1)
+    rollout, attempt = claim(project, "w1")
+    attempt = finish(project, rollout, attempt, "succeeded")
+    rollout.refresh_from_db()
+    assert attempt.status == "succeeded" and attempt.end_time is not None
+    assert rollout.status == "succeeded" and rollout.end_time is not None
+    worker = Worker.objects.get(worker_id="w1")
+    assert worker.status == "idle" and worker.current_rollout_id is None
+
+
+def test_running_report_moves_rollout_to_running(project):
+    enqueue(project, 1)
+    rollout, attempt = claim(project)
+    finish(project, rollout, attempt, "running")
+    rollout.refresh_from_db()
+    assert rollout.status == "running"
+
+
+def test_failure_with_retry_requeues_then_second_attempt_gets_sequence_two(project):
+    enqueue(project, 1, config=RETRY)
+    rollout, attempt = claim(project)
+    finish(project, rollout, attempt, "failed")
+    rollout.refresh_from_db()
+    assert rollout.status == "requeuing" and rollout.end_time is None
+    again, second = claim(project)
+    assert again.pk == rollout.pk and second.sequence_id == 2
+    finish(project, again, second, "failed")
+    rollout.refresh_from_db()
+    assert rollout.status == "failed" and rollout.end_time is not None
+
+
+def test_failure_without_retry_fails_rollout(project):
+    enqueue(project, 1)
+    rollout, attempt = claim(project)
+    finish(project, rollout, attempt, "failed")
+    rollout.refresh_from_db()
+    assert rollout.status == "failed"
+
+
+def test_late_success_on_cancelled_rollout_is_recorded_on_attempt_only(project):
+    enqueue(project, 1)
+    rollout, attempt = claim(project)
+    services.rollout_update(project=project, rollout_id=rollout.pk, status="cancelled")
+    attempt = finish(project, rollout, attempt, "succeeded")
+    rollout.refresh_from_db()
+    assert attempt.status == "succeeded"
+    assert rollout.status == "cancelled"
+
+
+def test_report_on_older_attempt_does_not_move_rollout(project):
+    enqueue(project, 1)
+    rollout, first = claim(project)
+    _, second = services.attempt_start(project=project, rollout_id=rollout.pk)
+    finish(project, rollout, first, "succeeded")
+    rollout.refresh_from_db()
+    assert rollout.status == "preparing" and rollout.latest_attempt_id == second.pk
+
+
+def test_latest_names_the_latest_attempt(project):
+    enqueue(project, 1)
+    rollout, attempt = claim(project)
+    updated = services.attempt_update(
+        project=project, rollout_id=rollout.pk, attempt_id="latest", status="running"
+    )
+    assert updated.pk == attempt.pk and updated.status == "running"
+
+
+def test_finished_attempt_keeps_its_verdict(project):
+    enqueue(project, 1)
+    rollout, attempt = claim(project)
+    finish(project, rollout, attempt, "succeeded")
+    with pytest.raises(IllegalTransition):
+        finish(project, rollout, attempt, "failed")
+    assert finish(project, rollout, attempt, "succeeded").status == "succeeded"
+
+
+def test_update_attempt_metadata_worker_and_heartbeat(project):
+    enqueue(project, 1)
+    rollout, attempt = claim(project)
+    from django.utils import timezone
+    when = timezone.now()
+    updated = services.attempt_update(
+        project=project, rollout_id=rollout.pk, attempt_id=attempt.attempt_id,
+        worker_id="w7", metadata={"m": 1}, last_heartbeat_time=when,
+    )
+    updated.refresh_from_db()
+    assert updated.worker_id == "w7" and updated.metadata == {"m": 1}
+    assert updated.last_heartbeat_time == when
+
+
+def test_unknown_attempt_and_bad_status(project):
+    enqueue(project, 1)
+    rollout, attempt = claim(project)
+    with pytest.raises(NotFound):
+        services.attempt_update(project=project, rollout_id=rollout.pk, attempt_id="at-nope",
+                                status="running")
+    with pytest.raises(InvalidInput):
+        finish(project, rollout, attempt, "exploded")
+
+
+def test_update_many_finishes_a_batch_in_one_call(project):
+    enqueue(project, 10)
+    claimed = services.rollout_dequeue_many(project=project, worker_id="w", limit=10)
+    services.attempt_update_many(project=project, updates=[
+        AttemptUpdate(r.pk, a.attempt_id, status="succeeded") for r, a in claimed
+    ])
+    assert Rollout.objects.filter(status="succeeded").count() == 10
+
+
+def test_update_many_is_all_or_nothing(project):
+    enqueue(project, 2)
+    claimed = services.rollout_dequeue_many(project=project, limit=2)
+    with pytest.raises(NotFound):
+        services.attempt_update_many(project=project, updates=[
+            AttemptUpdate(claimed[0][0].pk, claimed[0][1].attempt_id, status="succeeded"),
+            AttemptUpdate(claimed[1][0].pk, "at-missing", status="succeeded"),
+        ])
+    assert Rollout.objects.filter(status="succeeded").count() == 0
+
+
+def test_rollout_finished_hook_fires_after_commit(project, django_capture_on_commit_callbacks):
+    from store import hooks
+    seen = []
+    hooks.on_rollouts_finished(seen.extend)
+    try:
+        enqueue(project, 1)
+        rollout, attempt = claim(project)
+        with django_capture_on_commit_callbacks(execute=True):
+            finish(project, rollout, attempt, "succeeded")
+        assert seen == [rollout.pk]
+    finally:
+        hooks.remove_rollouts_finished(seen.extend)
+
+
+def test_spec_with_start_rollout_syncs_worker_busy(project):
+    rollout, attempt = services.rollout_start(project=project, spec=RolloutSpec(input=1),
+                                              worker_id="wx")
+    worker = Worker.objects.get(worker_id="wx")
+    assert worker.status == "busy" and worker.current_attempt_id == attempt.attempt_id

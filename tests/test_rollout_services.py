@@ -1,0 +1,173 @@
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from store import selectors, services
+from store.errors import IllegalTransition, InvalidInput, NotFound
+from store.models import Rollout, Worker
+from store.services import RolloutSpec
+from tests.conftest import claim, enqueue
+
+
+def test_enqueue_creates_queued_rollout_with_agl_ids(project):
+    rollout = services.rollout_enqueue(
+        project=project, spec=RolloutSpec(input={"q": 1}, mode="train", metadata={"k": "v"})
+    )
+    rollout.refresh_from_db()
+    assert rollout.id.startswith("ro-") and len(rollout.id) == 15
+    assert rollout.status == "queuing"
+    assert rollout.input == {"q": 1} and rollout.mode == "train"
+    assert rollout.config["max_attempts"] == 1
+    assert rollout.latest_attempt is None and rollout.end_time is None
+
+
+def test_enqueue_refuses_bad_mode_and_unknown_resources(project):
+    with pytest.raises(InvalidInput) as err:
+        services.rollout_enqueue(project=project, spec=RolloutSpec(input=1, mode="play"))
+    assert err.value.field == "mode"
+    with pytest.raises(NotFound):
+        services.rollout_enqueue(project=project, spec=RolloutSpec(input=1, resources_id="rs-x"))
+    assert Rollout.objects.count() == 0
+
+
+def test_enqueue_many_is_all_or_nothing(project):
+    specs = [RolloutSpec(input=1), RolloutSpec(input=2, config={"max_attempts": 0})]
+    with pytest.raises(InvalidInput):
+        services.rollout_enqueue_many(project=project, specs=specs)
+    assert Rollout.objects.count() == 0
+
+
+def test_retried_enqueue_with_same_idempotency_key_returns_first_rollout(project):
+    first = services.rollout_enqueue(project=project, spec=RolloutSpec(input=1, idempotency_key="k"))
+    again = services.rollout_enqueue(project=project, spec=RolloutSpec(input=2, idempotency_key="k"))
+    assert again.pk == first.pk
+    assert Rollout.objects.count() == 1
+    batch = services.rollout_enqueue_many(project=project, specs=[
+        RolloutSpec(input=3, idempotency_key="k"), RolloutSpec(input=4, idempotency_key="n"),
+        RolloutSpec(input=5, idempotency_key="n"),
+    ])
+    assert batch[0].pk == first.pk and batch[1].pk == batch[2].pk
+    assert Rollout.objects.count() == 2
+
+
+def test_idempotency_keys_are_per_project(project, other_project):
+    a = services.rollout_enqueue(project=project, spec=RolloutSpec(input=1, idempotency_key="k"))
+    b = services.rollout_enqueue(project=other_project, spec=RolloutSpec(idempotency_key="k"))
+    assert a.pk != b.pk
+
+
+def test_dequeue_is_fifo_and_creates_attempt_one(project):
+    rollouts = enqueue(project, 3)
+    got = [claim(project) for _ in range(3)]
+    assert [r.pk for r, _ in got] == [r.pk for r in rollouts]
+    rollout, attempt = got[0]
+    rollout.refresh_from_db()
+    assert rollout.status == "preparing" and rollout.latest_attempt_id == attempt.pk
+    assert attempt.sequence_id == 1 and attempt.status == "preparing"
+    assert attempt.attempt_id.startswith("at-") and len(attempt.attempt_id) == 11
+    assert services.rollout_dequeue(project=project, worker_id="w1") is None
+
+
+def test_dequeue_takes_higher_priority_first(project):
+    low = enqueue(project, 2)
+    high = services.rollout_enqueue(project=project, spec=RolloutSpec(input=9, priority=5))
+    assert claim(project)[0].pk == high.pk
+    assert claim(project)[0].pk == low[0].pk
+
+
+def test_dequeue_many_respects_limit_and_project(project, other_project):
+    enqueue(project, 5)
+    enqueue(other_project, 5)
+    claimed = services.rollout_dequeue_many(project=project, worker_id="w", limit=3)
+    assert len(claimed) == 3
+    assert {r.project_id for r, _ in claimed} == {project.pk}
+    assert len(services.rollout_dequeue_many(project=project, limit=10)) == 2
+
+
+def test_dequeue_marks_worker_busy_then_idle_on_empty_queue(project):
+    enqueue(project, 1)
+    rollout, attempt = claim(project, "w9")
+    worker = Worker.objects.get(worker_id="w9")
+    assert worker.status == "busy" and worker.current_rollout_id == rollout.pk
+    assert worker.current_attempt_id == attempt.attempt_id and worker.last_dequeue_time
+    assert services.rollout_dequeue(project=project, worker_id="w9") is None
+    assert Worker.objects.get(worker_id="w9").status == "idle"
+
+
+def test_dequeue_skips_rollouts_whose_queue_wait_expired(project):
+    services.rollout_enqueue(project=project, spec=RolloutSpec(input=1, queue_timeout_seconds=5))
+    Rollout.objects.update(queue_deadline=timezone.now() - timedelta(seconds=1))
+    assert services.rollout_dequeue(project=project) is None
+
+
+def test_start_rollout_skips_the_queue(project):
+    rollout, attempt = services.rollout_start(
+        project=project, spec=RolloutSpec(input="x"), worker_id="w"
+    )
+    rollout.refresh_from_db()
+    assert rollout.status == "preparing" and attempt.sequence_id == 1
+    assert services.rollout_dequeue(project=project) is None
+
+
+def test_start_attempt_by_hand_ignores_max_attempts(project):
+    enqueue(project, 1)
+    rollout, first = claim(project)
+    _, second = services.attempt_start(project=project, rollout_id=rollout.pk, worker_id="w2")
+    rollout.refresh_from_db()
+    assert second.sequence_id == 2 and rollout.latest_attempt_id == second.pk
+    assert rollout.status == "preparing"
+
+
+def test_start_attempt_on_terminal_rollout_is_illegal(project):
+    rollout = enqueue(project, 1)[0]
+    services.rollout_update(project=project, rollout_id=rollout.pk, status="cancelled")
+    with pytest.raises(IllegalTransition):
+        services.attempt_start(project=project, rollout_id=rollout.pk)
+
+
+def test_update_rollout_cancel_sets_end_time_and_removes_from_queue(project):
+    rollout = enqueue(project, 1)[0]
+    updated = services.rollout_update(project=project, rollout_id=rollout.pk, status="cancelled")
+    assert updated.status == "cancelled" and updated.end_time is not None
+    assert services.rollout_dequeue(project=project) is None
+
+
+def test_terminal_rollout_refuses_another_status(project):
+    rollout = enqueue(project, 1)[0]
+    services.rollout_update(project=project, rollout_id=rollout.pk, status="cancelled")
+    with pytest.raises(IllegalTransition):
+        services.rollout_update(project=project, rollout_id=rollout.pk, status="queuing")
+    rollout.refresh_from_db()
+    assert rollout.status == "cancelled"
+
+
+def test_update_rollout_fields_and_unknown_id(project):
+    rollout = enqueue(project, 1)[0]
+    updated = services.rollout_update(
+        project=project, rollout_id=rollout.pk, input={"new": 1}, mode="val",
+        metadata={"a": 1}, config={"max_attempts": 2, "retry_condition": ["failed"]},
+    )
+    updated.refresh_from_db()
+    assert updated.input == {"new": 1} and updated.mode == "val" and updated.metadata == {"a": 1}
+    assert updated.config["max_attempts"] == 2
+    with pytest.raises(NotFound):
+        services.rollout_update(project=project, rollout_id="ro-missing", status="cancelled")
+    with pytest.raises(InvalidInput):
+        services.rollout_update(project=project, rollout_id=rollout.pk, status="exploded")
+
+
+def test_other_projects_rollouts_are_not_found(project, other_project):
+    rollout = enqueue(project, 1)[0]
+    with pytest.raises(NotFound):
+        selectors.rollout_get(project=other_project, rollout_id=rollout.pk)
+    with pytest.raises(NotFound):
+        services.rollout_update(project=other_project, rollout_id=rollout.pk, status="cancelled")
+
+
+def test_enqueue_pins_latest_resources_version(project):
+    v1 = services.resources_add(project=project, resources={"p": {"resource_type": "x"}})
+    services.resources_update(project=project, resources_id=v1.resource_set_id,
+                              resources={"p": {"resource_type": "y"}})
+    rollout = enqueue(project, 1)[0]
+    assert rollout.resources_id == v1.resource_set_id and rollout.resources_version == 2

@@ -1,0 +1,137 @@
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from store import selectors, services
+from store.errors import InvalidInput, NotFound
+from store.models import Attempt, Rollout, Span
+from tests.conftest import claim, enqueue
+
+
+def span(rollout, attempt, n, **extra):
+    return {
+        "rollout_id": rollout.pk, "attempt_id": attempt.attempt_id, "sequence_id": n,
+        "trace_id": "a" * 32, "span_id": f"{n:016x}", "parent_id": None, "name": f"step-{n}",
+        "status": {"status_code": "OK", "description": None}, "attributes": {"n": n},
+        "events": [], "links": [], "start_time": 1.0 + n, "end_time": 2.0 + n,
+        "context": None, "parent": None, "resource": {"attributes": {}, "schema_url": ""},
+        **extra,
+    }
+
+
+def test_spans_are_stored_and_duplicates_return_none(project):
+    enqueue(project, 1)
+    rollout, attempt = claim(project)
+    result = services.spans_add(project=project, spans=[span(rollout, attempt, 1),
+                                                         span(rollout, attempt, 2)])
+    assert all(isinstance(row, Span) for row in result)
+    again = services.spans_add(project=project, spans=[span(rollout, attempt, 1),
+                                                        span(rollout, attempt, 3)])
+    assert again[0] is None and again[1] is not None
+    assert services.span_add(project=project, span=span(rollout, attempt, 3)) is None
+    assert Span.objects.count() == 3
+
+
+def test_unknown_fields_are_kept(project):
+    enqueue(project, 1)
+    rollout, attempt = claim(project)
+    row = services.span_add(project=project, span=span(rollout, attempt, 1, custom={"x": 1}))
+    assert row.extra == {"custom": {"x": 1}}
+
+
+def test_span_is_a_heartbeat_moving_attempt_and_rollout_to_running(project):
+    enqueue(project, 1)
+    rollout, attempt = claim(project)
+    services.span_add(project=project, span=span(rollout, attempt, 1))
+    attempt.refresh_from_db()
+    rollout.refresh_from_db()
+    assert attempt.status == "running" and attempt.last_heartbeat_time is not None
+    assert rollout.status == "running"
+
+
+def test_span_revives_unresponsive_attempt(project):
+    enqueue(project, 1, config={"unresponsive_seconds": 10, "max_attempts": 2,
+                                "retry_condition": ["unresponsive"]})
+    rollout, attempt = claim(project)
+    Attempt.objects.filter(pk=attempt.pk).update(status="unresponsive")
+    Rollout.objects.filter(pk=rollout.pk).update(status="requeuing")
+    services.span_add(project=project, span=span(rollout, attempt, 1))
+    attempt.refresh_from_db()
+    rollout.refresh_from_db()
+    assert attempt.status == "running" and rollout.status == "running"
+    assert attempt.deadline > timezone.now() + timedelta(seconds=9)
+
+
+@pytest.mark.parametrize("ended", ["timeout", "failed", "succeeded"])
+def test_span_never_revives_an_ended_attempt(project, ended):
+    enqueue(project, 1)
+    rollout, attempt = claim(project)
+    Attempt.objects.filter(pk=attempt.pk).update(status=ended)
+    services.span_add(project=project, span=span(rollout, attempt, 1))
+    attempt.refresh_from_db()
+    assert attempt.status == ended
+
+
+def test_span_does_not_move_a_terminal_rollout(project):
+    enqueue(project, 1)
+    rollout, attempt = claim(project)
+    services.rollout_update(project=project, rollout_id=rollout.pk, status="cancelled")
+    services.span_add(project=project, span=span(rollout, attempt, 1))
+    rollout.refresh_from_db()
+    assert rollout.status == "cancelled"
+    assert selectors.rollout_cancelled_ids(project=project, rollout_ids=[rollout.pk]) == {rollout.pk}
+
+
+def test_span_for_unknown_attempt_or_other_project_is_not_found(project, other_project):
+    enqueue(project, 1)
+    rollout, attempt = claim(project)
+    with pytest.raises(NotFound):
+        services.span_add(project=other_project, span=span(rollout, attempt, 1))
+    bad = span(rollout, attempt, 1)
+    bad["attempt_id"] = "at-00000000"
+    with pytest.raises(NotFound):
+        services.span_add(project=project, span=bad)
+    assert Span.objects.count() == 0
+
+
+@pytest.mark.parametrize("field,value", [("sequence_id", "1"), ("span_id", ""),
+                                         ("attributes", []), ("start_time", "x")])
+def test_malformed_span_is_refused_with_its_field(project, field, value):
+    enqueue(project, 1)
+    rollout, attempt = claim(project)
+    with pytest.raises(InvalidInput) as err:
+        services.span_add(project=project, span=span(rollout, attempt, 1, **{field: value}))
+    assert field in err.value.field
+
+
+def test_next_sequence_ids_are_reserved_in_blocks(project):
+    enqueue(project, 1)
+    rollout, attempt = claim(project)
+    kw = dict(project=project, rollout_id=rollout.pk, attempt_id=attempt.attempt_id)
+    assert services.span_next_sequence_id(**kw) == 1
+    assert services.span_next_sequence_id(**kw, count=5) == 2
+    assert services.span_next_sequence_id(**kw) == 7
+    with pytest.raises(NotFound):
+        services.span_next_sequence_id(project=project, rollout_id=rollout.pk, attempt_id="at-x")
+
+
+def test_query_spans_latest_attempt_filters_and_pagination(project):
+    enqueue(project, 1, config={"max_attempts": 2, "retry_condition": ["failed"]})
+    rollout, first = claim(project)
+    services.spans_add(project=project, spans=[span(rollout, first, n) for n in range(1, 4)])
+    _, second = services.attempt_start(project=project, rollout_id=rollout.pk)
+    services.spans_add(project=project, spans=[span(rollout, second, n) for n in range(1, 6)])
+    page = selectors.span_query(project=project, rollout_id=rollout.pk, attempt_id="latest")
+    assert page.total == 5 and {s.attempt_id for s in page.items} == {second.pk}
+    page = selectors.span_query(project=project, rollout_id=rollout.pk, limit=2, offset=1,
+                                sort_order="desc")
+    assert page.total == 8 and len(page.items) == 2
+    page = selectors.span_query(project=project, rollout_id=rollout.pk,
+                                attempt_id=first.attempt_id, name_contains="step-2")
+    assert [s.name for s in page.items] == ["step-2"]
+    page = selectors.span_query(project=project, rollout_id=rollout.pk, name="step-1",
+                                span_id=f"{3:016x}", filter_logic="or")
+    assert page.total == 4
+    with pytest.raises(InvalidInput):
+        selectors.span_query(project=project, rollout_id=rollout.pk, sort_by="bogus")

@@ -1,0 +1,120 @@
+from datetime import timedelta
+
+from django.utils import timezone
+
+from store import services, watchdog
+from store.models import Rollout, Worker
+from store.services import RolloutSpec
+from tests.conftest import backdate, claim, enqueue
+
+RETRY_ALL = ["failed", "timeout", "unresponsive"]
+
+
+def test_attempt_past_timeout_times_out_and_fails_rollout(project):
+    enqueue(project, 1, config={"timeout_seconds": 30})
+    rollout, attempt = claim(project, "w1")
+    backdate(attempt, 31)
+    result = watchdog.sweep()
+    attempt.refresh_from_db()
+    rollout.refresh_from_db()
+    assert attempt.status == "timeout" and attempt.end_time
+    assert rollout.status == "failed" and result.failed == [rollout.pk]
+    assert result.timed_out == [f"{rollout.pk}/{attempt.attempt_id}"]
+    assert Worker.objects.get(worker_id="w1").status == "unknown"
+
+
+def test_attempt_within_limits_is_left_alone(project):
+    enqueue(project, 1, config={"timeout_seconds": 30, "unresponsive_seconds": 10})
+    rollout, attempt = claim(project)
+    backdate(attempt, 5)
+    assert watchdog.sweep().changed == 0
+    attempt.refresh_from_db()
+    assert attempt.status == "preparing"
+
+
+def test_silent_attempt_goes_unresponsive_and_rollout_requeues(project):
+    enqueue(project, 1, config={"unresponsive_seconds": 10, "max_attempts": 2,
+                                "retry_condition": RETRY_ALL})
+    rollout, attempt = claim(project)
+    backdate(attempt, 11)
+    result = watchdog.sweep()
+    attempt.refresh_from_db()
+    rollout.refresh_from_db()
+    assert attempt.status == "unresponsive" and rollout.status == "requeuing"
+    assert result.requeued == [rollout.pk]
+    again, second = claim(project)
+    assert again.pk == rollout.pk and second.sequence_id == 2
+
+
+def test_heartbeat_moves_the_deadline_so_sweep_refreshes_instead_of_killing(project):
+    enqueue(project, 1, config={"unresponsive_seconds": 10})
+    rollout, attempt = claim(project)
+    backdate(attempt, 11)
+    # A heartbeat the sweep has not seen yet: the stored deadline is stale.
+    from store.models import Attempt
+    Attempt.objects.filter(pk=attempt.pk).update(last_heartbeat_time=timezone.now())
+    assert watchdog.sweep().changed == 0
+    attempt.refresh_from_db()
+    assert attempt.status == "preparing" and attempt.deadline > timezone.now()
+
+
+def test_late_report_after_timeout_is_recorded_but_rollout_stays_failed(project):
+    enqueue(project, 1, config={"timeout_seconds": 5})
+    rollout, attempt = claim(project)
+    backdate(attempt, 6)
+    watchdog.sweep()
+    late = services.attempt_update(project=project, rollout_id=rollout.pk,
+                                   attempt_id=attempt.attempt_id, status="succeeded")
+    rollout.refresh_from_db()
+    assert late.status == "succeeded" and late.metadata["store.watchdog_verdict"] == "timeout"
+    assert rollout.status == "failed"
+
+
+def test_queue_wait_expiry_fails_rollout(project):
+    services.rollout_enqueue(project=project, spec=RolloutSpec(input=1, queue_timeout_seconds=5))
+    keep = services.rollout_enqueue(project=project, spec=RolloutSpec(input=2))
+    result = watchdog.sweep(now=timezone.now() + timedelta(seconds=6))
+    assert len(result.queue_expired) == 1
+    expired = Rollout.objects.get(pk=result.queue_expired[0])
+    assert expired.status == "failed" and expired.metadata["store.failure"] == watchdog.QUEUE_EXPIRED
+    keep.refresh_from_db()
+    assert keep.status == "queuing"
+
+
+def test_requeued_rollouts_are_watched_by_the_queue_bound(project):
+    services.rollout_enqueue(project=project, spec=RolloutSpec(
+        input=1, queue_timeout_seconds=5,
+        config={"timeout_seconds": 1, "max_attempts": 3, "retry_condition": RETRY_ALL},
+    ))
+    rollout, attempt = claim(project)
+    backdate(attempt, 2)
+    watchdog.sweep()
+    rollout.refresh_from_db()
+    assert rollout.status == "requeuing" and rollout.queue_deadline is not None
+    result = watchdog.sweep(now=timezone.now() + timedelta(seconds=6))
+    assert result.queue_expired == [rollout.pk]
+
+
+def test_sweep_works_in_bounded_batches(project):
+    enqueue(project, 7, config={"timeout_seconds": 1})
+    claimed = services.rollout_dequeue_many(project=project, limit=7)
+    for _, attempt in claimed:
+        backdate(attempt, 2)
+    result = watchdog.sweep(batch_size=3, max_batches=2)
+    assert len(result.timed_out) == 6
+    assert len(watchdog.sweep(batch_size=3).timed_out) == 1
+
+
+def test_sweep_notifies_finished_rollouts(project, django_capture_on_commit_callbacks):
+    from store import hooks
+    seen = []
+    hooks.on_rollouts_finished(seen.extend)
+    try:
+        enqueue(project, 1, config={"timeout_seconds": 1})
+        rollout, attempt = claim(project)
+        backdate(attempt, 2)
+        with django_capture_on_commit_callbacks(execute=True):
+            watchdog.sweep()
+        assert seen == [rollout.pk]
+    finally:
+        hooks.remove_rollouts_finished(seen.extend)
