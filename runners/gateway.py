@@ -1,0 +1,54 @@
+"""What the executor needs from the store, as one small interface.
+
+The executor (runners/executor.py) runs one attempt end to end and talks to the store only
+through a `StoreGateway`. Two implementations exist:
+
+- `runners.local_gateway.LocalGateway`: calls `store.services` directly (Celery rollout tasks,
+  the embedded default);
+- `runners.remote.HttpGateway`: speaks the REST API through `runners.client` (the remote
+  runner, `manage.py runner`, on machines with no database access).
+
+Both must behave the same; tests run the executor against each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A claimed attempt: what the agent needs to run it."""
+
+    rollout_id: str
+    attempt_id: str
+    input: Any
+    mode: str | None
+    resources_id: str | None
+    resources_version: int | None
+    config: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+class StoreGateway(Protocol):
+    def claim(self, *, worker_id: str, limit: int = 1) -> list[Claim]:
+        """Claim up to `limit` queued rollouts (each gets a new attempt)."""
+
+    def claim_rollout(self, *, rollout_id: str, worker_id: str) -> Claim | None:
+        """Claim one named rollout if it is still queued; None when someone else has it."""
+
+    def resources(self, *, resources_id: str, version: int | None) -> dict[str, Any]:
+        """The resources a rollout pinned (a `{name: resource}` mapping)."""
+
+    def add_spans(self, *, spans: list[dict[str, Any]]) -> set[str]:
+        """Store spans (AGL span dicts; they count as heartbeats). Returns the ids of the
+        rollouts among them that were cancelled, so the runner can stop."""
+
+    def heartbeat(self, *, rollout_id: str, attempt_id: str, worker_id: str) -> bool:
+        """Mark the attempt alive; True when its rollout was cancelled."""
+
+    def finish(
+        self, *, rollout_id: str, attempt_id: str, status: str, error: str | None = None
+    ) -> None:
+        """End the attempt as `succeeded` or `failed` (error recorded in its metadata)."""
