@@ -171,3 +171,11 @@ def test_enqueue_pins_latest_resources_version(project):
                               resources={"p": {"resource_type": "y"}})
     rollout = enqueue(project, 1)[0]
     assert rollout.resources_id == v1.resource_set_id and rollout.resources_version == 2
+
+
+def test_claim_named_rollout_once(project):
+    rollout = enqueue(project, 2)[1]
+    got = services.rollout_claim(project=project, rollout_id=rollout.pk, worker_id="w")
+    assert got is not None and got[0].pk == rollout.pk and got[1].sequence_id == 1
+    assert services.rollout_claim(project=project, rollout_id=rollout.pk, worker_id="w") is None
+    assert services.rollout_claim(project=project, rollout_id="ro-missing") is None

@@ -10,6 +10,7 @@ from store.services.resources import (
 from store.services.rollouts import (
     RolloutSpec,
     attempt_start,
+    rollout_claim,
     rollout_dequeue,
     rollout_dequeue_many,
     rollout_enqueue,
@@ -34,6 +35,7 @@ __all__ = [
     "resources_retain",
     "resources_set_keep",
     "resources_update",
+    "rollout_claim",
     "rollout_dequeue",
     "rollout_dequeue_many",
     "rollout_enqueue",

@@ -230,6 +230,28 @@ def rollout_dequeue_many(
     return list(zip(rollouts, attempts, strict=True))
 
 
+def rollout_claim(
+    *, project: Project, rollout_id: str, worker_id: str | None = None
+) -> tuple[Rollout, Attempt] | None:
+    """Claim one named rollout if it is still queued (compare-and-swap); None when it is not
+    queued any more or another claimer holds it. A Celery rollout task uses this, so a
+    duplicated message finds the rollout claimed and does nothing."""
+    now = timezone.now()
+    with transaction.atomic():
+        rollout = (
+            Rollout.objects.select_for_update(skip_locked=True)
+            .filter(project=project, pk=rollout_id, status__in=QUEUED)
+            .first()
+        )
+        if rollout is None:
+            return None
+        attempt = _new_attempt(rollout, worker_id, now)
+        _attach([rollout], [attempt])
+        if worker_id:
+            worker_mark_dequeued(project.pk, worker_id, [attempt], now)
+    return rollout, attempt
+
+
 def rollout_dequeue(
     *, project: Project, worker_id: str | None = None
 ) -> tuple[Rollout, Attempt] | None:
