@@ -16,6 +16,7 @@ from django.utils import timezone
 
 from store import hooks
 from store.models import Attempt, Rollout
+from store.services._bulk import bulk_set
 from store.services._common import (
     ROLLOUT_FOLLOW_FIELDS,
     attempt_deadline,
@@ -101,9 +102,9 @@ def _sweep_attempts(now: datetime, batch_size: int, result: SweepResult) -> int:
                 elif rollout.status == RolloutStatus.FAILED and not was_terminal:
                     result.failed.append(rollout.pk)
                     finished.append(rollout.pk)
-        Attempt.objects.bulk_update(attempts, ["status", "end_time", "deadline", "metadata"])
+        bulk_set(attempts, ["status", "end_time", "deadline", "metadata"])
         if changed:
-            Rollout.objects.bulk_update(list(changed.values()), ROLLOUT_FOLLOW_FIELDS)
+            bulk_set(list(changed.values()), ROLLOUT_FOLLOW_FIELDS)
         for project_id in {r.project_id for r in rollouts.values()}:
             worker_sync_for_attempts(
                 project_id, [a for a in lost if rollouts[a.rollout_id].project_id == project_id], now
@@ -137,6 +138,6 @@ def _expire_queue_waits(now: datetime, batch_size: int, result: SweepResult) -> 
             rollout.metadata = {**(rollout.metadata or {}), "store.failure": QUEUE_EXPIRED}
             result.queue_expired.append(rollout.pk)
         if rollouts:
-            Rollout.objects.bulk_update(rollouts, ["status", "end_time", "metadata"])
+            bulk_set(rollouts, ["status", "end_time", "metadata"])
             hooks.notify_rollouts_finished([r.pk for r in rollouts])
     return len(rollouts)

@@ -135,3 +135,16 @@ def test_query_spans_latest_attempt_filters_and_pagination(project):
     assert page.total == 4
     with pytest.raises(InvalidInput):
         selectors.span_query(project=project, rollout_id=rollout.pk, sort_by="bogus")
+
+
+def test_large_batches_with_duplicates_store_each_span_once(project):
+    enqueue(project, 1)
+    rollout, attempt = claim(project)
+    first = services.spans_add(project=project, spans=[span(rollout, attempt, n) for n in range(150)])
+    assert all(first)
+    batch = [span(rollout, attempt, n) for n in range(100, 300)] + [span(rollout, attempt, 299)]
+    second = services.spans_add(project=project, spans=batch)
+    assert sum(1 for row in second if row is not None) == 150
+    assert second[0] is None and second[-1] is None
+    assert Span.objects.count() == 300
+    assert all(row.pk for row in second if row is not None)

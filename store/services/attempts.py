@@ -8,12 +8,12 @@ from datetime import datetime
 from typing import Any
 
 from django.db import transaction
-from django.db.models import F, Q
 from django.utils import timezone
 
 from store import hooks
 from store.errors import IllegalTransition, InvalidInput, NotFound
 from store.models import Attempt, Project, Rollout
+from store.services._bulk import bulk_set
 from store.services._common import (
     ROLLOUT_FOLLOW_FIELDS,
     attempt_deadline,
@@ -69,14 +69,19 @@ def attempt_update_many(*, project: Project, updates: Sequence[AttemptUpdate]) -
         ):
             raise InvalidInput("metadata", "must be an object")
     now = timezone.now()
+    rollout_ids = {u.rollout_id for u in updates}
     with transaction.atomic():
-        attempts = _lock_attempts(project, updates)
+        # Lock order for every writer: attempts first, then their rollouts.
+        all_attempts = list(
+            Attempt.objects.select_for_update().filter(rollout_id__in=rollout_ids).order_by("pk")
+        )
         rollouts = {
             r.pk: r
             for r in Rollout.objects.select_for_update()
-            .filter(pk__in={a.rollout_id for a in attempts})
+            .filter(project=project, pk__in=rollout_ids)
             .order_by("pk")
         }
+        attempts = _pick(updates, all_attempts, rollouts)
         finished: list[str] = []
         changed_rollouts: dict[str, Rollout] = {}
         for update, attempt in zip(updates, attempts, strict=True):
@@ -87,35 +92,35 @@ def attempt_update_many(*, project: Project, updates: Sequence[AttemptUpdate]) -
                 changed_rollouts[rollout.pk] = rollout
                 if not was_terminal and rollout.status in ROLLOUT_TERMINAL:
                     finished.append(rollout.pk)
-        Attempt.objects.bulk_update(
+        bulk_set(
             attempts,
             ["status", "end_time", "worker_id", "last_heartbeat_time", "metadata", "deadline"],
         )
         if changed_rollouts:
-            Rollout.objects.bulk_update(list(changed_rollouts.values()), ROLLOUT_FOLLOW_FIELDS)
+            bulk_set(list(changed_rollouts.values()), ROLLOUT_FOLLOW_FIELDS)
         worker_sync_for_attempts(project.pk, attempts, now)
         hooks.notify_rollouts_finished(finished)
     return attempts
 
 
-def _lock_attempts(project: Project, updates: Sequence[AttemptUpdate]) -> list[Attempt]:
-    keys = [(u.rollout_id, u.attempt_id) for u in updates]
-    rows = (
-        Attempt.objects.select_for_update(of=("self",))
-        .filter(rollout__project=project, rollout_id__in={rid for rid, _ in keys})
-        .filter(Q(attempt_id__in={aid for _, aid in keys}) | Q(rollout__latest_attempt=F("pk")))
-        .annotate(is_latest=Q(rollout__latest_attempt=F("pk")))
-        .order_by("pk")
-    )
+def _pick(
+    updates: Sequence[AttemptUpdate], attempts: list[Attempt], rollouts: dict[str, Rollout]
+) -> list[Attempt]:
     found: dict[tuple[str, str], Attempt] = {}
-    for attempt in rows:
+    for attempt in attempts:
+        rollout = rollouts.get(attempt.rollout_id)
+        if rollout is None:  # another project's rollout: not found, never a leak
+            continue
         found[(attempt.rollout_id, attempt.attempt_id)] = attempt
-        if attempt.is_latest:
+        if rollout.latest_attempt_id == attempt.pk:
             found[(attempt.rollout_id, "latest")] = attempt
-    for key in keys:
+    picked = []
+    for update in updates:
+        key = (update.rollout_id, update.attempt_id)
         if key not in found:
             raise NotFound("attempt", f"{key[0]}/{key[1]}")
-    return [found[key] for key in keys]
+        picked.append(found[key])
+    return picked
 
 
 def _apply(update: AttemptUpdate, attempt: Attempt, rollout: Rollout, now: datetime) -> None:

@@ -16,6 +16,7 @@ from store import hooks
 from store.errors import IllegalTransition, InvalidInput, NotFound
 from store.ids import new_attempt_id, new_rollout_id
 from store.models import Attempt, Project, ResourceSet, Rollout
+from store.services._bulk import bulk_set
 from store.services._common import (
     attempt_deadline,
     get_rollout,
@@ -202,7 +203,7 @@ def _attach(rollouts: list[Rollout], attempts: list[Attempt]) -> None:
         rollout.latest_attempt = attempt
         rollout.attempt_count = attempt.sequence_id
         rollout.queue_deadline = None
-    Rollout.objects.bulk_update(
+    bulk_set(
         rollouts, ["status", "latest_attempt", "attempt_count", "queue_deadline"]
     )
 

@@ -12,6 +12,7 @@ from django.utils import timezone
 
 from store.errors import InvalidInput, NotFound
 from store.models import Attempt, Project, Rollout, Span
+from store.services._bulk import insert_new
 from store.services._common import attempt_deadline, attempt_filter
 from store.statemachine import AttemptStatus, RolloutConfig, RolloutStatus
 
@@ -40,29 +41,13 @@ def spans_add(
         _validate(span, index)
     now = now or timezone.now()
     attempts = _attempts_for(project, spans)
-    existing = set(
-        Span.objects.filter(
-            attempt__in=[a.pk for a in attempts.values()],
-            span_id__in={s["span_id"] for s in spans},
-        ).values_list("attempt_id", "span_id")
-    )
-    result: list[Span | None] = []
-    new: list[Span] = []
-    for span in spans:
-        attempt = attempts[(span["rollout_id"], span["attempt_id"])]
-        key = (attempt.pk, span["span_id"])
-        if key in existing:
-            result.append(None)
-            continue
-        existing.add(key)
-        row = _row(span, attempt)
-        new.append(row)
-        result.append(row)
+    rows = [_row(span, attempts[(span["rollout_id"], span["attempt_id"])]) for span in spans]
     with transaction.atomic():
-        # A concurrent writer of the same span loses quietly: identity makes it harmless.
-        Span.objects.bulk_create(new, ignore_conflicts=True, batch_size=1000)
+        # A span already stored (a retry, a concurrent writer) is skipped: identity is
+        # (attempt, span_id), so repeating a post is harmless.
+        inserted = {id(row) for row in insert_new(rows, ["attempt", "span_id"])}
         heartbeat(list(attempts.values()), now)
-    return result
+    return [row if id(row) in inserted else None for row in rows]
 
 
 def _validate(span: Any, index: int) -> None:
