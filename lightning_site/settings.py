@@ -39,6 +39,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "rest_framework",
     "drf_spectacular",
+    "drf_spectacular_sidecar",
     "django_celery_beat",
     "store",
 ]
@@ -104,3 +105,26 @@ STORE_SWEEP_BATCH_SIZE = env_int("STORE_SWEEP_BATCH_SIZE", 500, minimum=1)
 STORE_RESOURCES_KEEP_LAST = env_int("STORE_RESOURCES_KEEP_LAST", 20, minimum=1)
 # Default bound on how long a rollout may wait in the queue; 0 means unbounded (AGL's behaviour).
 STORE_QUEUE_TIMEOUT_SECONDS = env_float("STORE_QUEUE_TIMEOUT_SECONDS", 0.0, minimum=0.0)
+
+# --- The REST API (store/api; README "Runner API") ------------------------------------------
+REST_FRAMEWORK = {
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    # API views authenticate with project keys (store.api.auth); no anonymous Django user.
+    "UNAUTHENTICATED_USER": None,
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Lightning store API (Agent Lightning 0.3 compatible)",
+    "VERSION": "0.3",
+    # The docs pages load their assets from drf-spectacular-sidecar, never from a CDN.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+    "COMPONENT_SPLIT_REQUEST": True,
+    "ENUM_NAME_OVERRIDES": {
+        "RolloutStatusEnum": "store.api.schema.ROLLOUT_STATUSES",
+        "AttemptStatusEnum": "store.api.schema.ATTEMPT_STATUSES",
+        "WorkerStatusEnum": "store.api.schema.WORKER_STATUSES",
+    },
+}
+# Request bodies the API accepts (JSON and OTLP, after gunzip); larger ones get 413.
+STORE_API_MAX_BODY_BYTES = env_int("STORE_API_MAX_BODY_BYTES", 8 * 1024 * 1024, minimum=1024)

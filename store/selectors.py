@@ -209,7 +209,7 @@ def resources_query(
     if resources_id:
         qs = qs.filter(resource_set_id=resources_id)
     if resources_id_contains:
-        qs = qs.filter(resource_set_id__contains=resources_id_contains)
+        qs = qs.filter(resource_set__id__contains=resources_id_contains)
     sortable = {"resources_id": "resource_set_id", "update_time": "resource_set__update_time",
                 "create_time": "resource_set__create_time", "version": "version"}
     return _paginate(qs, limit=limit, offset=offset, sort_by=sort_by, sort_order=sort_order,

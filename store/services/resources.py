@@ -9,7 +9,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from store.errors import InvalidInput, NotFound
+from store.errors import InvalidInput, NotFound, ResourceInUse
 from store.ids import new_resources_id
 from store.models import Project, ResourceSet, ResourceVersion, Rollout
 from store.statemachine import ROLLOUT_TERMINAL
@@ -53,6 +53,25 @@ def resources_update(
         )
     version.resource_set = rs
     return version
+
+
+def resources_delete(*, project: Project, resources_id: str) -> None:
+    """Delete a resources id with all its versions; refused while an unfinished rollout
+    still refers to it (ResourceInUse)."""
+    with transaction.atomic():
+        rs = (
+            ResourceSet.objects.select_for_update()
+            .filter(project=project, pk=resources_id)
+            .first()
+        )
+        if rs is None:
+            raise NotFound("resources", resources_id)
+        in_use = Rollout.objects.filter(project=project, resources_id=resources_id).exclude(
+            status__in=ROLLOUT_TERMINAL
+        )
+        if in_use.exists():
+            raise ResourceInUse(f"resources {resources_id!r} are used by unfinished rollouts")
+        rs.delete()
 
 
 def resources_set_keep(

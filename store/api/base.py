@@ -1,0 +1,91 @@
+"""The base of every API view: key authentication, roles per HTTP method, JSON only, the
+size limit on bodies, and store errors mapped to HTTP statuses."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from rest_framework import serializers
+from rest_framework.parsers import JSONParser
+from rest_framework.renderers import JSONRenderer
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from store.api import limits
+from store.api.auth import ApiKeyAuthentication, HasRole, KeyPrincipal
+from store.api.errors import PayloadTooLarge, exception_handler
+from store.models import Project
+
+CANCELLED_HEADER = "X-Cancelled-Rollouts"
+
+
+class JSONNullRenderer(JSONRenderer):
+    """JSON, with None as `null` (AGL answers `null` for "none"), not an empty body."""
+
+    def render(self, data: Any, accepted_media_type: str | None = None,
+               renderer_context: dict | None = None) -> bytes:
+        response = (renderer_context or {}).get("response")
+        if data is None:
+            return b"" if response is not None and response.status_code == 204 else b"null"
+        return super().render(data, accepted_media_type, renderer_context)
+
+
+def check_body_size(request: Request) -> None:
+    try:
+        length = int(request.META.get("CONTENT_LENGTH") or 0)
+    except ValueError:
+        length = 0
+    if length > limits.MAX_BODY_BYTES:
+        raise PayloadTooLarge(f"request body over {limits.MAX_BODY_BYTES} bytes")
+
+
+class StoreView(APIView):
+    """Subclasses define one handler each (`get`, `post`, `delete`) and the key roles allowed
+    to call it as `<method>_roles` (default: every role)."""
+
+    authentication_classes = [ApiKeyAuthentication]
+    permission_classes = [HasRole]
+    renderer_classes = [JSONNullRenderer]
+    parser_classes = [JSONParser]
+    validation_location = "body"
+
+    def get_exception_handler(self):  # noqa: ANN201 - DRF's hook
+        return exception_handler
+
+    def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        check_body_size(request)
+        super().initial(request, *args, **kwargs)
+
+    @property
+    def project(self) -> Project:
+        user = self.request.user
+        assert isinstance(user, KeyPrincipal)
+        return user.project
+
+    def body(self, serializer_class: type[serializers.Serializer]) -> dict[str, Any]:
+        """The validated JSON body; an empty body or `null` counts as `{}`."""
+        data = self.request.data
+        serializer = serializer_class(data={} if data is None else data)
+        serializer.is_valid(raise_exception=True)
+        return serializer.validated_data
+
+    def query(self, serializer_class: type[serializers.Serializer]) -> dict[str, Any]:
+        self.validation_location = "query"
+        serializer = serializer_class(data=self.request.query_params)
+        serializer.is_valid(raise_exception=True)
+        return serializer.validated_data
+
+
+def respond(serializer_class: type[serializers.Serializer], instance: Any, *, status: int = 200,
+            many: bool = False, cancelled: Iterable[str] = ()) -> Response:
+    if instance is None:
+        data = None
+    else:
+        data = serializer_class(instance, many=many).data
+    response = Response(data, status=status)
+    ids = sorted(cancelled)
+    if ids:
+        response[CANCELLED_HEADER] = ",".join(ids)
+    return response

@@ -1,0 +1,512 @@
+"""Input and output serializers of the AGL 0.3 wire protocol (see the reference OpenAPI
+document). Times go out as epoch seconds (floats). Output serializers declare their fields
+for the schema and build plain dicts directly, because they run on every row of a page."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import extend_schema_field
+from rest_framework import serializers
+
+from store.api import limits
+from store.models import Attempt, ResourceVersion, Rollout, Span, Worker
+from store.statemachine import AttemptStatus, RolloutMode, RolloutStatus, WorkerStatus
+
+ID_MAX = 40
+WORKER_ID_MAX = 200
+
+
+def epoch(value: datetime | None) -> float | None:
+    return value.timestamp() if value is not None else None
+
+
+def from_epoch(value: float | None) -> datetime | None:
+    return datetime.fromtimestamp(value, tz=UTC) if value is not None else None
+
+
+class EpochField(serializers.FloatField):
+    """Epoch seconds on the wire, an aware datetime inside."""
+
+    def to_internal_value(self, data: Any) -> datetime:
+        value = super().to_internal_value(data)
+        try:
+            return datetime.fromtimestamp(value, tz=UTC)
+        except (OverflowError, OSError, ValueError):
+            raise serializers.ValidationError("not a valid epoch time") from None
+
+    def to_representation(self, value: datetime) -> float:
+        return value.timestamp()
+
+
+class AnyJSONField(serializers.JSONField):
+    """Any JSON value, null included."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_null", True)
+        super().__init__(**kwargs)
+
+
+class ObjectField(serializers.DictField):
+    """A JSON object of anything (AGL's `metadata`, `heartbeat_stats`)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("child", AnyJSONField())
+        super().__init__(**kwargs)
+
+
+# --- inputs ----------------------------------------------------------------------------------
+
+
+class RolloutConfigIn(serializers.Serializer):
+    timeout_seconds = serializers.FloatField(required=False, allow_null=True, min_value=0)
+    unresponsive_seconds = serializers.FloatField(required=False, allow_null=True, min_value=0)
+    max_attempts = serializers.IntegerField(required=False, min_value=1, max_value=1000)
+    retry_condition = serializers.ListField(
+        child=serializers.ChoiceField(choices=AttemptStatus.values), required=False
+    )
+
+    def to_internal_value(self, data: Any) -> dict[str, Any]:
+        value = super().to_internal_value(data)
+        # 0 means "not set" for the timeouts, as None does.
+        for name in ("timeout_seconds", "unresponsive_seconds"):
+            if value.get(name) == 0:
+                value[name] = None
+        return value
+
+
+class RolloutFieldsIn(serializers.Serializer):
+    """EnqueueRolloutRequest, plus our extensions (priority, idempotency_key,
+    queue_timeout_seconds)."""
+
+    input = AnyJSONField()
+    mode = serializers.ChoiceField(choices=RolloutMode.values, required=False, allow_null=True)
+    resources_id = serializers.CharField(
+        required=False, allow_null=True, allow_blank=True, max_length=ID_MAX
+    )
+    config = RolloutConfigIn(required=False, allow_null=True)
+    metadata = ObjectField(required=False, allow_null=True)
+    priority = serializers.IntegerField(
+        required=False, default=0, min_value=-(2**31), max_value=2**31 - 1,
+        help_text="Extension: higher is claimed first.",
+    )
+    idempotency_key = serializers.CharField(
+        required=False, allow_null=True, max_length=200,
+        help_text="Extension: a retried enqueue with the same key returns the same rollout.",
+    )
+    queue_timeout_seconds = serializers.FloatField(
+        required=False, allow_null=True, min_value=0,
+        help_text="Extension: fail the rollout if it waits longer in the queue (0: forever).",
+    )
+
+
+class EnqueueManyIn(serializers.Serializer):
+    rollouts = RolloutFieldsIn(many=True, max_length=limits.MAX_ROLLOUTS_PER_REQUEST)
+
+
+class StartRolloutIn(RolloutFieldsIn):
+    worker_id = serializers.CharField(required=False, allow_null=True, max_length=WORKER_ID_MAX)
+
+
+class DequeueIn(serializers.Serializer):
+    limit = serializers.IntegerField(
+        required=False, default=1, min_value=1, max_value=limits.MAX_ROLLOUTS_PER_REQUEST
+    )
+    worker_id = serializers.CharField(required=False, allow_null=True, max_length=WORKER_ID_MAX)
+    wait_seconds = serializers.FloatField(
+        required=False, default=0.0, min_value=0, max_value=limits.MAX_DEQUEUE_WAIT_SECONDS,
+        help_text="Extension: long-poll up to this long while the queue is empty.",
+    )
+
+
+class UpdateRolloutIn(serializers.Serializer):
+    input = AnyJSONField(required=False)
+    mode = serializers.ChoiceField(choices=RolloutMode.values, required=False, allow_null=True)
+    resources_id = serializers.CharField(required=False, allow_null=True, max_length=ID_MAX)
+    status = serializers.ChoiceField(
+        choices=RolloutStatus.values, required=False, allow_null=True
+    )
+    config = RolloutConfigIn(required=False, allow_null=True)
+    metadata = ObjectField(required=False, allow_null=True)
+
+
+class StartAttemptIn(serializers.Serializer):
+    worker_id = serializers.CharField(required=False, allow_null=True, max_length=WORKER_ID_MAX)
+
+
+class UpdateAttemptIn(serializers.Serializer):
+    status = serializers.ChoiceField(
+        choices=AttemptStatus.values, required=False, allow_null=True
+    )
+    worker_id = serializers.CharField(required=False, allow_null=True, max_length=WORKER_ID_MAX)
+    last_heartbeat_time = EpochField(required=False, allow_null=True)
+    metadata = ObjectField(required=False, allow_null=True)
+
+
+class UpdateWorkerIn(serializers.Serializer):
+    heartbeat_stats = ObjectField(required=False, allow_null=True)
+
+
+class _PageIn(serializers.Serializer):
+    limit = serializers.IntegerField(required=False, default=-1, min_value=-1)
+    offset = serializers.IntegerField(required=False, default=0, min_value=0)
+    sort_by = serializers.CharField(required=False, allow_null=True, max_length=40)
+    sort_order = serializers.ChoiceField(choices=["asc", "desc"], required=False, default="asc")
+
+
+class _FilteredPageIn(_PageIn):
+    filter_logic = serializers.ChoiceField(choices=["and", "or"], required=False, default="and")
+
+
+class QueryRolloutsIn(_FilteredPageIn):
+    status_in = serializers.ListField(
+        child=serializers.ChoiceField(choices=RolloutStatus.values), required=False,
+        allow_null=True,
+    )
+    rollout_id_in = serializers.ListField(
+        child=serializers.CharField(max_length=ID_MAX), required=False, allow_null=True,
+        max_length=10000,
+    )
+    rollout_id_contains = serializers.CharField(required=False, allow_null=True, max_length=ID_MAX)
+
+
+class QueryAttemptsIn(_PageIn):
+    sort_by = serializers.CharField(
+        required=False, allow_null=True, default="sequence_id", max_length=40
+    )
+
+
+class QueryWorkersIn(_FilteredPageIn):
+    status_in = serializers.ListField(
+        child=serializers.ChoiceField(choices=WorkerStatus.values), required=False,
+        allow_null=True,
+    )
+    worker_id_contains = serializers.CharField(
+        required=False, allow_null=True, max_length=WORKER_ID_MAX
+    )
+
+
+class QueryResourcesIn(_PageIn):
+    resources_id = serializers.CharField(required=False, allow_null=True, max_length=ID_MAX)
+    resources_id_contains = serializers.CharField(
+        required=False, allow_null=True, max_length=ID_MAX
+    )
+
+
+class QuerySpansIn(_FilteredPageIn):
+    rollout_id = serializers.CharField(max_length=ID_MAX)
+    attempt_id = serializers.CharField(required=False, allow_null=True, max_length=ID_MAX)
+    sort_by = serializers.CharField(
+        required=False, allow_null=True, default="sequence_id", max_length=40
+    )
+    trace_id = serializers.CharField(required=False, allow_null=True, max_length=64)
+    trace_id_contains = serializers.CharField(required=False, allow_null=True, max_length=64)
+    span_id = serializers.CharField(required=False, allow_null=True, max_length=32)
+    span_id_contains = serializers.CharField(required=False, allow_null=True, max_length=32)
+    parent_id = serializers.CharField(required=False, allow_null=True, max_length=32)
+    parent_id_contains = serializers.CharField(required=False, allow_null=True, max_length=32)
+    name = serializers.CharField(required=False, allow_null=True, max_length=500)
+    name_contains = serializers.CharField(required=False, allow_null=True, max_length=500)
+
+
+class NextSequenceIdIn(serializers.Serializer):
+    rollout_id = serializers.CharField(max_length=ID_MAX)
+    attempt_id = serializers.CharField(max_length=ID_MAX)
+
+
+class WaitForRolloutsIn(serializers.Serializer):
+    rollout_ids = serializers.ListField(
+        child=serializers.CharField(max_length=ID_MAX), max_length=10000
+    )
+    timeout = serializers.FloatField(
+        required=False, allow_null=True, min_value=0,
+        help_text=f"Seconds to wait on the server; capped at {limits.MAX_WAIT_SECONDS:g}.",
+    )
+
+
+class ResourcesIn(serializers.DictField):
+    """`{name: resource}`; each resource an object tagged by `resource_type`."""
+
+    child = ObjectField()
+
+    def to_internal_value(self, data: Any) -> dict[str, Any]:
+        value = super().to_internal_value(data)
+        for name, resource in value.items():
+            if len(name) > 200:
+                raise serializers.ValidationError({name: "resource names are at most 200 chars"})
+            kind = resource.get("resource_type")
+            if kind is not None and not isinstance(kind, str):
+                raise serializers.ValidationError({name: "resource_type must be a string"})
+        return value
+
+
+@extend_schema_field(OpenApiTypes.OBJECT)
+class SpanField(serializers.Field):
+    """One AGL span object, checked cheaply (a batch may hold thousands); the store checks
+    the required fields and types."""
+
+    default_error_messages = {"invalid": "a span must be a JSON object"}
+
+    def to_internal_value(self, data: Any) -> dict[str, Any]:
+        if not isinstance(data, dict):
+            self.fail("invalid")
+        check_span_sizes(data)
+        for name, size in (("rollout_id", ID_MAX), ("attempt_id", ID_MAX), ("trace_id", 64),
+                           ("span_id", 32), ("parent_id", 32), ("name", 500)):
+            value = data.get(name)
+            if isinstance(value, str) and len(value) > size:
+                raise serializers.ValidationError({name: f"at most {size} characters"})
+        seq = data.get("sequence_id")
+        if isinstance(seq, int) and not -(2**31) <= seq < 2**31:
+            raise serializers.ValidationError({"sequence_id": "out of range"})
+        return data
+
+    def to_representation(self, value: Any) -> Any:
+        return value
+
+
+def check_span_sizes(span: dict[str, Any]) -> None:
+    attributes = span.get("attributes")
+    if not isinstance(attributes, dict):
+        return
+    if len(attributes) > limits.MAX_ATTRIBUTES_PER_SPAN:
+        raise serializers.ValidationError(
+            {"attributes": f"at most {limits.MAX_ATTRIBUTES_PER_SPAN} attributes per span"}
+        )
+    for key, value in attributes.items():
+        if isinstance(value, str) and len(value) > limits.MAX_ATTRIBUTE_LENGTH:
+            raise serializers.ValidationError(
+                {"attributes": {key: f"longer than {limits.MAX_ATTRIBUTE_LENGTH} characters"}}
+            )
+
+
+class SpanIn(serializers.Serializer):
+    """AGL's Span-Input, for the schema; validation is `SpanField`'s."""
+
+    rollout_id = serializers.CharField()
+    attempt_id = serializers.CharField()
+    sequence_id = serializers.IntegerField()
+    trace_id = serializers.CharField()
+    span_id = serializers.CharField()
+    parent_id = serializers.CharField(allow_null=True, required=False)
+    name = serializers.CharField()
+    status = ObjectField(required=False)
+    attributes = ObjectField(required=False)
+    events = serializers.ListField(child=ObjectField(), required=False)
+    links = serializers.ListField(child=ObjectField(), required=False)
+    start_time = serializers.FloatField(allow_null=True, required=False)
+    end_time = serializers.FloatField(allow_null=True, required=False)
+    context = ObjectField(allow_null=True, required=False)
+    parent = ObjectField(allow_null=True, required=False)
+    resource = ObjectField(required=False)
+
+
+class SpanBatchIn(serializers.Serializer):
+    spans = serializers.ListField(child=SpanField(), max_length=limits.MAX_SPANS_PER_REQUEST)
+
+
+class HeartbeatIn(serializers.Serializer):
+    rollout_ids = serializers.ListField(
+        child=serializers.CharField(max_length=ID_MAX),
+        max_length=limits.MAX_ROLLOUTS_PER_REQUEST,
+    )
+
+
+class ProjectIn(serializers.Serializer):
+    name = serializers.SlugField(max_length=100)
+    description = serializers.CharField(required=False, allow_blank=True, default="")
+
+
+# --- outputs ---------------------------------------------------------------------------------
+
+
+class RolloutConfigOut(serializers.Serializer):
+    timeout_seconds = serializers.FloatField(allow_null=True)
+    unresponsive_seconds = serializers.FloatField(allow_null=True)
+    max_attempts = serializers.IntegerField()
+    retry_condition = serializers.ListField(child=serializers.CharField())
+
+
+class AttemptOut(serializers.Serializer):
+    rollout_id = serializers.CharField()
+    attempt_id = serializers.CharField()
+    sequence_id = serializers.IntegerField()
+    start_time = serializers.FloatField()
+    end_time = serializers.FloatField(allow_null=True)
+    status = serializers.ChoiceField(choices=AttemptStatus.values)
+    worker_id = serializers.CharField(allow_null=True)
+    last_heartbeat_time = serializers.FloatField(allow_null=True)
+    metadata = ObjectField(allow_null=True)
+
+    def to_representation(self, a: Attempt) -> dict[str, Any]:
+        return {
+            "rollout_id": a.rollout_id,
+            "attempt_id": a.attempt_id,
+            "sequence_id": a.sequence_id,
+            "start_time": epoch(a.start_time),
+            "end_time": epoch(a.end_time),
+            "status": a.status,
+            "worker_id": a.worker_id,
+            "last_heartbeat_time": epoch(a.last_heartbeat_time),
+            "metadata": a.metadata or {},
+        }
+
+
+class RolloutOut(serializers.Serializer):
+    rollout_id = serializers.CharField()
+    input = AnyJSONField()
+    start_time = serializers.FloatField()
+    end_time = serializers.FloatField(allow_null=True)
+    mode = serializers.CharField(allow_null=True)
+    resources_id = serializers.CharField(allow_null=True)
+    status = serializers.ChoiceField(choices=RolloutStatus.values)
+    config = RolloutConfigOut()
+    metadata = ObjectField(allow_null=True)
+
+    def to_representation(self, r: Rollout) -> dict[str, Any]:
+        return {
+            "rollout_id": r.pk,
+            "input": r.input,
+            "start_time": epoch(r.start_time),
+            "end_time": epoch(r.end_time),
+            "mode": r.mode,
+            "resources_id": r.resources_id,
+            "status": r.status,
+            "config": r.config,
+            "metadata": r.metadata or {},
+        }
+
+
+class AttemptedRolloutOut(RolloutOut):
+    attempt = AttemptOut()
+
+    def to_representation(self, r: Rollout) -> dict[str, Any]:
+        data = super().to_representation(r)
+        data["attempt"] = AttemptOut().to_representation(r.latest_attempt)
+        return data
+
+
+class RolloutOrAttemptedOut(AttemptedRolloutOut):
+    """A rollout with its latest attempt under `attempt` when it has one (AGL's
+    Union[AttemptedRollout, Rollout])."""
+
+    attempt = AttemptOut(required=False)
+
+    def to_representation(self, r: Rollout) -> dict[str, Any]:
+        if r.latest_attempt_id is None:
+            return RolloutOut.to_representation(self, r)
+        return super().to_representation(r)
+
+
+def attempted(rollout: Rollout, attempt: Attempt) -> Rollout:
+    rollout.latest_attempt = attempt
+    return rollout
+
+
+class ResourcesUpdateOut(serializers.Serializer):
+    resources_id = serializers.CharField()
+    create_time = serializers.FloatField()
+    update_time = serializers.FloatField()
+    version = serializers.IntegerField()
+    resources = serializers.DictField(child=ObjectField())
+
+    def to_representation(self, v: ResourceVersion) -> dict[str, Any]:
+        return {
+            "resources_id": v.resource_set_id,
+            "create_time": epoch(v.resource_set.create_time),
+            "update_time": epoch(v.created_at),
+            "version": v.version,
+            "resources": v.resources,
+        }
+
+
+class SpanOut(SpanIn):
+    def to_representation(self, s: Span) -> dict[str, Any]:
+        data = dict(s.extra or {})
+        data.update({
+            "rollout_id": s.rollout_id,
+            "attempt_id": s.attempt.attempt_id,
+            "sequence_id": s.sequence_id,
+            "trace_id": s.trace_id,
+            "span_id": s.span_id,
+            "parent_id": s.parent_id,
+            "name": s.name,
+            "status": s.status,
+            "attributes": s.attributes,
+            "events": s.events,
+            "links": s.links,
+            "start_time": s.start_time,
+            "end_time": s.end_time,
+            "context": s.context,
+            "parent": s.parent,
+            "resource": s.resource,
+        })
+        return data
+
+
+class WorkerOut(serializers.Serializer):
+    worker_id = serializers.CharField()
+    status = serializers.ChoiceField(choices=WorkerStatus.values)
+    heartbeat_stats = ObjectField(allow_null=True)
+    last_heartbeat_time = serializers.FloatField(allow_null=True)
+    last_dequeue_time = serializers.FloatField(allow_null=True)
+    last_busy_time = serializers.FloatField(allow_null=True)
+    last_idle_time = serializers.FloatField(allow_null=True)
+    current_rollout_id = serializers.CharField(allow_null=True)
+    current_attempt_id = serializers.CharField(allow_null=True)
+
+    def to_representation(self, w: Worker) -> dict[str, Any]:
+        return {
+            "worker_id": w.worker_id,
+            "status": w.status,
+            "heartbeat_stats": w.heartbeat_stats,
+            "last_heartbeat_time": epoch(w.last_heartbeat_time),
+            "last_dequeue_time": epoch(w.last_dequeue_time),
+            "last_busy_time": epoch(w.last_busy_time),
+            "last_idle_time": epoch(w.last_idle_time),
+            "current_rollout_id": w.current_rollout_id,
+            "current_attempt_id": w.current_attempt_id,
+        }
+
+
+def page_serializer(item: type[serializers.Serializer], name: str) -> type[serializers.Serializer]:
+    """PaginatedResult[item]: {items, limit, offset, total}."""
+
+    class PageOut(serializers.Serializer):
+        items = item(many=True)
+        limit = serializers.IntegerField()
+        offset = serializers.IntegerField()
+        total = serializers.IntegerField()
+
+    PageOut.__name__ = PageOut.__qualname__ = name
+    return PageOut
+
+
+RolloutPageOut = page_serializer(RolloutOrAttemptedOut, "RolloutPageOut")
+AttemptPageOut = page_serializer(AttemptOut, "AttemptPageOut")
+WorkerPageOut = page_serializer(WorkerOut, "WorkerPageOut")
+ResourcesPageOut = page_serializer(ResourcesUpdateOut, "ResourcesPageOut")
+SpanPageOut = page_serializer(SpanOut, "SpanPageOut")
+
+
+class NextSequenceIdOut(serializers.Serializer):
+    sequence_id = serializers.IntegerField()
+
+
+class SpanBatchOut(serializers.Serializer):
+    added = serializers.IntegerField()
+    duplicates = serializers.IntegerField()
+    cancelled_rollout_ids = serializers.ListField(child=serializers.CharField())
+
+
+class HeartbeatOut(serializers.Serializer):
+    cancelled_rollout_ids = serializers.ListField(child=serializers.CharField())
+
+
+class ProjectOut(serializers.Serializer):
+    name = serializers.CharField()
+    keys = serializers.DictField(
+        child=serializers.CharField(), help_text="role -> raw key; shown once, never again"
+    )

@@ -1,0 +1,42 @@
+"""Dequeue with a brief long-poll, so idle runners wait on the server instead of hammering it."""
+
+from __future__ import annotations
+
+import time
+
+from django.db.models import Q
+from django.utils import timezone
+
+from store.models import Attempt, Project, Rollout
+from store.services.rollouts import rollout_dequeue_many
+from store.statemachine import QUEUED
+
+MAX_DEQUEUE_WAIT_SECONDS = 20.0
+
+
+def rollout_dequeue_wait(
+    *, project: Project, worker_id: str | None = None, limit: int = 1, wait_seconds: float = 0.0,
+    poll: float = 0.05, poll_max: float = 0.5,
+) -> list[tuple[Rollout, Attempt]]:
+    """Claim like `rollout_dequeue_many`; while nothing is queued, look again (a cheap read
+    over the claim index, with backoff) for up to `wait_seconds` (capped at 20 s)."""
+    deadline = time.monotonic() + min(max(wait_seconds, 0.0), MAX_DEQUEUE_WAIT_SECONDS)
+    claimed = rollout_dequeue_many(project=project, worker_id=worker_id, limit=limit)
+    while not claimed:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        time.sleep(min(poll, remaining))
+        poll = min(poll * 2, poll_max)
+        if _queue_has_work(project):
+            claimed = rollout_dequeue_many(project=project, worker_id=worker_id, limit=limit)
+    return claimed
+
+
+def _queue_has_work(project: Project) -> bool:
+    now = timezone.now()
+    return (
+        Rollout.objects.filter(project=project, status__in=QUEUED)
+        .filter(Q(queue_deadline__isnull=True) | Q(queue_deadline__gt=now))
+        .exists()
+    )
