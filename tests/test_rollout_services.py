@@ -179,3 +179,31 @@ def test_claim_named_rollout_once(project):
     assert got is not None and got[0].pk == rollout.pk and got[1].sequence_id == 1
     assert services.rollout_claim(project=project, rollout_id=rollout.pk, worker_id="w") is None
     assert services.rollout_claim(project=project, rollout_id="ro-missing") is None
+
+
+@pytest.mark.parametrize("config,expected", [
+    ({}, None),
+    ({"timeout_seconds": 30}, 30),
+    ({"unresponsive_seconds": 10}, 10),
+    ({"timeout_seconds": 30, "unresponsive_seconds": 10}, 10),
+    ({"timeout_seconds": 5, "unresponsive_seconds": 10}, 5),
+])
+def test_claimed_attempt_deadline_is_the_earlier_limit(project, config, expected):
+    enqueue(project, 1, config=config)
+    _, attempt = claim(project)
+    attempt.refresh_from_db()
+    if expected is None:
+        assert attempt.deadline is None
+    else:
+        assert (attempt.deadline - attempt.start_time).total_seconds() == pytest.approx(expected)
+
+
+def test_claim_returns_rows_as_stored(project):
+    enqueue(project, 3, metadata={"m": 1})
+    claimed = services.rollout_dequeue_many(project=project, worker_id="w", limit=3)
+    for rollout, attempt in claimed:
+        stored = Rollout.objects.get(pk=rollout.pk)
+        assert stored.latest_attempt_id == attempt.pk == rollout.latest_attempt_id
+        assert stored.input == rollout.input and rollout.metadata == {"m": 1}
+        assert stored.status == rollout.status == "preparing"
+        assert attempt.attempt_id == stored.latest_attempt.attempt_id

@@ -9,16 +9,14 @@ from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import Q
 from django.utils import timezone
 
 from store import hooks
 from store.errors import IllegalTransition, InvalidInput, NotFound
-from store.ids import new_attempt_id, new_rollout_id
+from store.ids import new_rollout_id
 from store.models import Attempt, Project, ResourceSet, Rollout
-from store.services._bulk import bulk_set
+from store.services._claim import attach, claim_queued, new_attempt
 from store.services._common import (
-    attempt_deadline,
     get_rollout,
     lock_resource_set_shared,
     queue_deadline,
@@ -28,7 +26,6 @@ from store.services._common import (
 from store.statemachine import (
     QUEUED,
     ROLLOUT_TERMINAL,
-    AttemptStatus,
     RolloutConfig,
     RolloutMode,
     RolloutStatus,
@@ -183,31 +180,6 @@ def rollout_enqueue(*, project: Project, spec: RolloutSpec) -> Rollout:
     return rollout_enqueue_many(project=project, specs=[spec])[0]
 
 
-def _new_attempt(rollout: Rollout, worker_id: str | None, now: datetime) -> Attempt:
-    config = RolloutConfig.parse(rollout.config)
-    return Attempt(
-        rollout=rollout,
-        attempt_id=new_attempt_id(),
-        sequence_id=rollout.attempt_count + 1,
-        status=AttemptStatus.PREPARING,
-        worker_id=worker_id,
-        start_time=now,
-        deadline=attempt_deadline(config, now, None),
-    )
-
-
-def _attach(rollouts: list[Rollout], attempts: list[Attempt]) -> None:
-    Attempt.objects.bulk_create(attempts)
-    for rollout, attempt in zip(rollouts, attempts, strict=True):
-        rollout.status = RolloutStatus.PREPARING
-        rollout.latest_attempt = attempt
-        rollout.attempt_count = attempt.sequence_id
-        rollout.queue_deadline = None
-    bulk_set(
-        rollouts, ["status", "latest_attempt", "attempt_count", "queue_deadline"]
-    )
-
-
 def rollout_dequeue_many(
     *, project: Project, worker_id: str | None = None, limit: int = 1
 ) -> list[tuple[Rollout, Attempt]]:
@@ -217,18 +189,10 @@ def rollout_dequeue_many(
         raise InvalidInput("limit", "must be >= 1")
     now = timezone.now()
     with transaction.atomic():
-        rollouts = list(
-            Rollout.objects.select_for_update(skip_locked=True)
-            .filter(project=project, status__in=QUEUED)
-            .filter(Q(queue_deadline__isnull=True) | Q(queue_deadline__gt=now))
-            .order_by("-priority", "enqueue_time")[:limit]
-        )
-        attempts = [_new_attempt(rollout, worker_id, now) for rollout in rollouts]
-        if rollouts:
-            _attach(rollouts, attempts)
+        claimed = claim_queued(project, worker_id, limit, now)
         if worker_id:
-            worker_mark_dequeued(project.pk, worker_id, attempts, now)
-    return list(zip(rollouts, attempts, strict=True))
+            worker_mark_dequeued(project.pk, worker_id, [a for _, a in claimed], now)
+    return claimed
 
 
 def rollout_claim(
@@ -239,18 +203,10 @@ def rollout_claim(
     duplicated message finds the rollout claimed and does nothing."""
     now = timezone.now()
     with transaction.atomic():
-        rollout = (
-            Rollout.objects.select_for_update(skip_locked=True)
-            .filter(project=project, pk=rollout_id, status__in=QUEUED)
-            .first()
-        )
-        if rollout is None:
-            return None
-        attempt = _new_attempt(rollout, worker_id, now)
-        _attach([rollout], [attempt])
-        if worker_id:
-            worker_mark_dequeued(project.pk, worker_id, [attempt], now)
-    return rollout, attempt
+        claimed = claim_queued(project, worker_id, 1, now, rollout_id=rollout_id)
+        if claimed and worker_id:
+            worker_mark_dequeued(project.pk, worker_id, [claimed[0][1]], now)
+    return claimed[0] if claimed else None
 
 
 def rollout_dequeue(
@@ -271,8 +227,8 @@ def rollout_start(
         rollout = _build(project, spec, config, now, pins)
         rollout.queue_deadline = None
         rollout.save(force_insert=True)
-        attempt = _new_attempt(rollout, worker_id, now)
-        _attach([rollout], [attempt])
+        attempt = new_attempt(rollout, worker_id, now)
+        attach([rollout], [attempt])
         worker_sync_for_attempts(project.pk, [attempt], now)
     return rollout, attempt
 
@@ -286,8 +242,8 @@ def attempt_start(
         rollout = get_rollout(project, rollout_id, lock=True)
         if rollout.status in ROLLOUT_TERMINAL:
             raise IllegalTransition("rollout", rollout_id, rollout.status, "preparing")
-        attempt = _new_attempt(rollout, worker_id, now)
-        _attach([rollout], [attempt])
+        attempt = new_attempt(rollout, worker_id, now)
+        attach([rollout], [attempt])
         worker_sync_for_attempts(project.pk, [attempt], now)
     return rollout, attempt
 

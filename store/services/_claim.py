@@ -1,0 +1,142 @@
+"""Claiming queued rollouts: each claim creates the rollout's next attempt in the same
+transaction. On Postgres it is one statement (select with SKIP LOCKED, insert the attempts,
+update the rollouts); elsewhere (the embedded SQLite default, whose writers are serialized by
+BEGIN IMMEDIATE) the same steps run through the ORM."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from django.db import connection
+from django.db.models import Q
+
+from store.ids import new_attempt_id
+from store.models import Attempt, Project, Rollout
+from store.services._bulk import bulk_set
+from store.services._common import attempt_deadline
+from store.statemachine import QUEUED, AttemptStatus, RolloutConfig, RolloutStatus
+
+
+def claim_queued(
+    project: Project, worker_id: str | None, limit: int, now: datetime,
+    rollout_id: str | None = None,
+) -> list[tuple[Rollout, Attempt]]:
+    """Claim up to `limit` queued rollouts (or the named one), highest priority then oldest
+    first. Must run inside a transaction."""
+    if connection.vendor == "postgresql":
+        claimed = _claim_sql(project, worker_id, limit, now, rollout_id)
+    else:
+        claimed = _claim_orm(project, worker_id, limit, now, rollout_id)
+    claimed.sort(key=lambda pair: (-pair[0].priority, pair[0].enqueue_time))
+    return claimed
+
+
+def _queued(project: Project, now: datetime, rollout_id: str | None):
+    qs = Rollout.objects.filter(project=project, status__in=QUEUED).filter(
+        Q(queue_deadline__isnull=True) | Q(queue_deadline__gt=now)
+    )
+    return qs.filter(pk=rollout_id) if rollout_id else qs
+
+
+def new_attempt(rollout: Rollout, worker_id: str | None, now: datetime) -> Attempt:
+    config = RolloutConfig.parse(rollout.config)
+    return Attempt(
+        rollout=rollout,
+        attempt_id=new_attempt_id(),
+        sequence_id=rollout.attempt_count + 1,
+        status=AttemptStatus.PREPARING,
+        worker_id=worker_id,
+        start_time=now,
+        deadline=attempt_deadline(config, now, None),
+    )
+
+
+def attach(rollouts: list[Rollout], attempts: list[Attempt]) -> None:
+    """Make each attempt its rollout's latest; the rollout becomes preparing."""
+    Attempt.objects.bulk_create(attempts)
+    for rollout, attempt in zip(rollouts, attempts, strict=True):
+        rollout.status = RolloutStatus.PREPARING
+        rollout.latest_attempt = attempt
+        rollout.attempt_count = attempt.sequence_id
+        rollout.queue_deadline = None
+    bulk_set(rollouts, ["status", "latest_attempt", "attempt_count", "queue_deadline"])
+
+
+def _claim_orm(project, worker_id, limit, now, rollout_id) -> list[tuple[Rollout, Attempt]]:
+    rollouts = list(
+        _queued(project, now, rollout_id)
+        .select_for_update(skip_locked=True)
+        .order_by("-priority", "enqueue_time")[:limit]
+    )
+    attempts = [new_attempt(rollout, worker_id, now) for rollout in rollouts]
+    if rollouts:
+        attach(rollouts, attempts)
+    return list(zip(rollouts, attempts, strict=True))
+
+
+# The deadline rule of _common.attempt_deadline, in SQL: the earlier of the timeout and the
+# unresponsive limit counted from the start (LEAST skips NULLs).
+_DEADLINE_SQL = (
+    "LEAST(%(now)s + make_interval(secs => (p.config->>'timeout_seconds')::float8), "
+    "%(now)s + make_interval(secs => (p.config->>'unresponsive_seconds')::float8))"
+)
+
+
+def _claim_sql(project, worker_id, limit, now, rollout_id) -> list[tuple[Rollout, Attempt]]:
+    given = {
+        "rollout_id": "p.id",
+        "attempt_id": "'at-' || substr(md5(random()::text || clock_timestamp()::text || p.id), 1, 8)",
+        "sequence_id": "p.attempt_count + 1",
+        "status": f"'{AttemptStatus.PREPARING}'",
+        "worker_id": "%(worker)s::varchar",
+        "start_time": "%(now)s",
+        "deadline": _DEADLINE_SQL,
+    }
+    params = {"project": project.pk, "now": now, "worker": worker_id, "limit": limit,
+              "rid": rollout_id}
+    columns, values = [], []
+    for field in Attempt._meta.concrete_fields:
+        if field.primary_key:
+            continue
+        columns.append(f'"{field.column}"')
+        if field.column in given:
+            values.append(given[field.column])
+        else:  # every other column takes its model default, so new fields need no edit here
+            params[f"d_{field.column}"] = field.get_db_prep_save(field.get_default(), connection)
+            values.append(f"%(d_{field.column})s::{field.db_type(connection)}")
+    rollout_columns = ", ".join(f'upd."{f.column}"' for f in Rollout._meta.concrete_fields)
+    only = "AND id = %(rid)s" if rollout_id else ""
+    sql = f"""
+        WITH picked AS (
+            SELECT id, attempt_count, config FROM store_rollout
+            WHERE project_id = %(project)s AND status IN ('queuing', 'requeuing')
+              AND (queue_deadline IS NULL OR queue_deadline > %(now)s) {only}
+            ORDER BY priority DESC, enqueue_time LIMIT %(limit)s
+            FOR UPDATE SKIP LOCKED
+        ), ins AS (
+            INSERT INTO store_attempt ({", ".join(columns)})
+            SELECT {", ".join(values)} FROM picked p
+            RETURNING id, rollout_id, attempt_id, sequence_id, deadline
+        ), upd AS (
+            UPDATE store_rollout r SET status = 'preparing', latest_attempt_id = ins.id,
+                attempt_count = ins.sequence_id, queue_deadline = NULL
+            FROM ins WHERE r.id = ins.rollout_id
+            RETURNING r.*
+        )
+        SELECT {rollout_columns}, ins.id AS claim_attempt_pk,
+            ins.attempt_id AS claim_attempt_id, ins.sequence_id AS claim_sequence_id,
+            ins.deadline AS claim_deadline
+        FROM upd JOIN ins ON ins.rollout_id = upd.id
+    """
+    claimed = []
+    for rollout in Rollout.objects.raw(sql, params):
+        attempt = Attempt(
+            pk=rollout.claim_attempt_pk, rollout=rollout, attempt_id=rollout.claim_attempt_id,
+            sequence_id=rollout.claim_sequence_id, status=AttemptStatus.PREPARING,
+            worker_id=worker_id, start_time=now, deadline=rollout.claim_deadline,
+        )
+        attempt._state.adding = False
+        attempt._state.db = rollout._state.db
+        rollout.latest_attempt = attempt
+        claimed.append((rollout, attempt))
+    return claimed
