@@ -1,0 +1,96 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+from django.urls import reverse
+
+from lightning_site import env
+from store import services
+from tests.conftest import claim, enqueue
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def staff_client(client, django_user_model):
+    user = django_user_model.objects.create_superuser("admin", "a@example.com", "pw")
+    client.force_login(user)
+    return client
+
+
+def test_admin_pages_render_for_every_store_model(staff_client, project):
+    enqueue(project, 2)
+    rollout, attempt = claim(project)
+    services.span_add(project=project, span={
+        "rollout_id": rollout.pk, "attempt_id": attempt.attempt_id, "sequence_id": 1,
+        "trace_id": "a" * 32, "span_id": "b" * 16, "name": "s",
+    })
+    version = services.resources_add(project=project, resources={"p": {"resource_type": "x"}})
+    services.api_key_create(project=project, role="runner")
+    for model in ["project", "apikey", "rollout", "attempt", "span", "resourceset", "worker"]:
+        response = staff_client.get(reverse(f"admin:store_{model}_changelist"))
+        assert response.status_code == 200, model
+    pages = [("rollout", rollout.pk), ("resourceset", version.resource_set_id),
+             ("project", project.pk)]
+    for model, pk in pages:
+        response = staff_client.get(reverse(f"admin:store_{model}_change", args=[pk]))
+        assert response.status_code == 200, model
+    assert rollout.pk in staff_client.get(
+        reverse("admin:store_rollout_changelist") + f"?q={rollout.pk}").content.decode()
+
+
+def test_admin_action_shows_a_new_key_once(staff_client, project):
+    response = staff_client.post(reverse("admin:store_project_changelist"), {
+        "action": "make_runner_key", "_selected_action": [project.pk],
+    }, follow=True)
+    assert "shown once" in response.content.decode()
+    assert project.api_keys.count() == 1
+
+
+@pytest.mark.parametrize("reader,value", [
+    (lambda: env.env_bool("X_TEST", False), "maybe"),
+    (lambda: env.env_int("X_TEST", 1), "ten"),
+    (lambda: env.env_int("X_TEST", 1, minimum=1), "0"),
+    (lambda: env.env_float("X_TEST", 1.0), "fast"),
+])
+def test_bad_setting_values_fail_loudly(monkeypatch, reader, value):
+    monkeypatch.setenv("X_TEST", value)
+    with pytest.raises(ImproperlyConfigured, match="X_TEST"):
+        reader()
+
+
+def test_database_url_parsing():
+    pg = env.database_from_url("postgres://u:p%40ss@db.example:6543/name?sslmode=require")
+    assert (pg["NAME"], pg["USER"], pg["PASSWORD"], pg["HOST"], pg["PORT"]) == (
+        "name", "u", "p@ss", "db.example", "6543")
+    assert pg["OPTIONS"] == {"sslmode": "require"}
+    with pytest.raises(ImproperlyConfigured):
+        env.database_from_url("mysql://x/y")
+    with pytest.raises(ImproperlyConfigured):
+        env.database_from_url("postgres://host/")
+
+
+def test_secret_key_is_required_with_a_database_url():
+    environ = {k: v for k, v in os.environ.items() if k != "DJANGO_SECRET_KEY"}
+    environ.update(DATABASE_URL="postgres://postgres@127.0.0.1:5432/x",
+                   DJANGO_SETTINGS_MODULE="lightning_site.settings")
+    out = subprocess.run([sys.executable, "-c", "import django; django.setup()"],
+                         cwd=ROOT, env=environ, capture_output=True, text=True)
+    assert out.returncode != 0 and "DJANGO_SECRET_KEY" in out.stderr
+
+
+@pytest.mark.slow
+def test_embedded_default_runs_the_store_demo_on_sqlite(tmp_path):
+    environ = {k: v for k, v in os.environ.items()
+               if k not in ("DATABASE_URL", "CELERY_BROKER_URL", "DJANGO_SETTINGS_MODULE")}
+    environ["LIGHTNING_DATA_DIR"] = str(tmp_path)
+    manage = [sys.executable, "manage.py"]
+    subprocess.run(manage + ["migrate", "-v0"], cwd=ROOT, env=environ, check=True, timeout=300)
+    out = subprocess.run(manage + ["store_demo", "--rollouts", "30"], cwd=ROOT, env=environ,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert '"succeeded": 30' in out.stdout
+    assert (tmp_path / "lightning.sqlite3").exists()

@@ -1,0 +1,114 @@
+import time
+
+import pytest
+
+from store import selectors, services
+from store.errors import InvalidInput, NotFound
+from store.services import RolloutSpec
+from tests.conftest import claim, enqueue
+
+
+def test_query_rollouts_filters_sorts_and_paginates(project, other_project):
+    rollouts = enqueue(project, 5)
+    enqueue(other_project, 3)
+    services.rollout_update(project=project, rollout_id=rollouts[0].pk, status="cancelled")
+    page = selectors.rollout_query(project=project)
+    assert page.total == 5 and [r.pk for r in page.items] == [r.pk for r in rollouts]
+    page = selectors.rollout_query(project=project, status_in=["cancelled"])
+    assert [r.pk for r in page.items] == [rollouts[0].pk]
+    page = selectors.rollout_query(project=project, limit=2, offset=1, sort_by="start_time",
+                                   sort_order="desc")
+    assert page.total == 5 and [r.pk for r in page.items] == [rollouts[3].pk, rollouts[2].pk]
+    page = selectors.rollout_query(project=project, rollout_id_in=[rollouts[1].pk],
+                                   status_in=["cancelled"], filter_logic="or")
+    assert {r.pk for r in page.items} == {rollouts[0].pk, rollouts[1].pk}
+    page = selectors.rollout_query(project=project, rollout_id_contains=rollouts[2].pk[3:9])
+    assert rollouts[2].pk in [r.pk for r in page.items]
+
+
+@pytest.mark.parametrize("kwargs", [{"sort_by": "bogus"}, {"sort_order": "up"},
+                                    {"filter_logic": "xor"}, {"offset": -1}])
+def test_query_rollouts_refuses_bad_parameters(project, kwargs):
+    with pytest.raises(InvalidInput):
+        selectors.rollout_query(project=project, **kwargs)
+
+
+def test_query_attempts_and_latest(project):
+    enqueue(project, 1)
+    rollout, first = claim(project)
+    _, second = services.attempt_start(project=project, rollout_id=rollout.pk)
+    page = selectors.attempt_query(project=project, rollout_id=rollout.pk)
+    assert [a.sequence_id for a in page.items] == [1, 2]
+    assert selectors.attempt_latest(project=project, rollout_id=rollout.pk).pk == second.pk
+    assert selectors.attempt_get(project=project, rollout_id=rollout.pk,
+                                 attempt_id=first.attempt_id).pk == first.pk
+    with pytest.raises(NotFound):
+        selectors.attempt_query(project=project, rollout_id="ro-nope")
+
+
+def test_latest_attempt_of_unclaimed_rollout_is_none(project):
+    rollout = enqueue(project, 1)[0]
+    assert selectors.attempt_latest(project=project, rollout_id=rollout.pk) is None
+
+
+def test_workers_heartbeat_query_and_get(project, other_project):
+    services.worker_update(project=project, worker_id="w-a", heartbeat_stats={"cpu": 1})
+    services.worker_update(project=project, worker_id="w-b")
+    services.worker_update(project=other_project, worker_id="w-a")
+    worker = selectors.worker_get(project=project, worker_id="w-a")
+    assert worker.heartbeat_stats == {"cpu": 1} and worker.last_heartbeat_time
+    assert selectors.worker_query(project=project).total == 2
+    assert [w.worker_id for w in selectors.worker_query(
+        project=project, worker_id_contains="b").items] == ["w-b"]
+    with pytest.raises(NotFound):
+        selectors.worker_get(project=project, worker_id="w-zzz")
+    with pytest.raises(InvalidInput):
+        services.worker_update(project=project, worker_id="")
+
+
+def test_wait_for_rollouts_returns_finished_ones_in_order(project):
+    rollouts = enqueue(project, 3)
+    for r in rollouts[:2]:
+        services.rollout_update(project=project, rollout_id=r.pk, status="cancelled")
+    done = selectors.rollouts_wait(project=project, rollout_ids=[r.pk for r in rollouts],
+                                   timeout=0)
+    assert [r.pk for r in done] == [rollouts[0].pk, rollouts[1].pk]
+
+
+def test_wait_for_rollouts_waits_up_to_its_timeout(project):
+    rollout = enqueue(project, 1)[0]
+    start = time.monotonic()
+    assert selectors.rollouts_wait(project=project, rollout_ids=[rollout.pk], timeout=0.3) == []
+    assert time.monotonic() - start >= 0.3
+
+
+def test_statistics_count_the_project_only(project, other_project):
+    enqueue(project, 2)
+    enqueue(other_project, 5)
+    claim(project)
+    stats = selectors.statistics(project=project)
+    assert stats["total_rollouts"] == 2 and stats["total_attempts"] == 1
+    assert stats["rollouts_by_status"] == {"queuing": 1, "preparing": 1}
+
+
+def test_api_keys_are_hashed_shown_once_and_checked(project):
+    key, raw = services.api_key_create(project=project, role="runner")
+    assert raw not in key.hashed_key and key.prefix == raw[:12]
+    assert services.api_key_authenticate(raw=raw).pk == key.pk
+    assert services.api_key_authenticate(raw=raw[:-1] + ("x" if raw[-1] != "x" else "y")) is None
+    assert services.api_key_authenticate(raw="") is None
+    key.revoked_at = key.created_at
+    key.save()
+    assert services.api_key_authenticate(raw=raw) is None
+    with pytest.raises(InvalidInput):
+        services.api_key_create(project=project, role="god")
+
+
+def test_project_names_are_unique(project):
+    with pytest.raises(InvalidInput):
+        services.project_create(name="proj")
+
+
+def test_enqueue_priority_must_be_int(project):
+    with pytest.raises(InvalidInput):
+        services.rollout_enqueue(project=project, spec=RolloutSpec(priority="high"))
