@@ -177,7 +177,8 @@ def resources_get(
     row = (qs.filter(version=version) if version is not None else
            qs.filter(version=F("resource_set__version"))).first()
     if row is None:
-        raise NotFound("resources", resources_id if version is None else f"{resources_id}@{version}")
+        ident = resources_id if version is None else f"{resources_id}@{version}"
+        raise NotFound("resources", ident)
     return row
 
 

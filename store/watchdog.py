@@ -93,7 +93,8 @@ def _sweep_attempts(now: datetime, batch_size: int, result: SweepResult) -> int:
             set_attempt_status(attempt, verdict, now)
             lost.append(attempt)
             key = f"{attempt.rollout_id}/{attempt.attempt_id}"
-            (result.timed_out if verdict == AttemptStatus.TIMEOUT else result.unresponsive).append(key)
+            timed_out = verdict == AttemptStatus.TIMEOUT
+            (result.timed_out if timed_out else result.unresponsive).append(key)
             was_terminal = rollout.status in ROLLOUT_TERMINAL
             if follow_latest_attempt(rollout, attempt, now):
                 changed[rollout.pk] = rollout
@@ -106,16 +107,16 @@ def _sweep_attempts(now: datetime, batch_size: int, result: SweepResult) -> int:
         if changed:
             bulk_set(list(changed.values()), ROLLOUT_FOLLOW_FIELDS)
         for project_id in {r.project_id for r in rollouts.values()}:
-            worker_sync_for_attempts(
-                project_id, [a for a in lost if rollouts[a.rollout_id].project_id == project_id], now
-            )
+            mine = [a for a in lost if rollouts[a.rollout_id].project_id == project_id]
+            worker_sync_for_attempts(project_id, mine, now)
         hooks.notify_rollouts_finished(finished)
     return len(attempts)
 
 
 def _verdict(attempt: Attempt, config: RolloutConfig, now: datetime) -> str | None:
     """timeout or unresponsive, or None after refreshing a deadline a heartbeat moved on."""
-    if config.timeout_seconds and (now - attempt.start_time).total_seconds() > config.timeout_seconds:
+    age = (now - attempt.start_time).total_seconds()
+    if config.timeout_seconds and age > config.timeout_seconds:
         return AttemptStatus.TIMEOUT
     last = attempt.last_heartbeat_time or attempt.start_time
     if config.unresponsive_seconds and (now - last).total_seconds() > config.unresponsive_seconds:

@@ -57,11 +57,12 @@ def insert_new(rows: Sequence[Model], unique: Sequence[str]) -> list[Model]:
     params: list = []
     for row in rows:
         params.extend(f.get_db_prep_save(getattr(row, f.attname), connection) for f in fields)
-    conflict = ", ".join(f'"{meta.get_field(name).column}"' for name in unique)
+    keys = ", ".join(f'"{meta.get_field(name).column}"' for name in unique)
+    columns = ", ".join(f'"{f.column}"' for f in fields)
     sql = (
-        f'INSERT INTO "{meta.db_table}" ({", ".join(chr(34) + f.column + chr(34) for f in fields)}) '
-        f'VALUES {", ".join([placeholder] * len(rows))} ON CONFLICT ({conflict}) DO NOTHING '
-        f'RETURNING "{meta.pk.column}", {", ".join(chr(34) + meta.get_field(n).column + chr(34) for n in unique)}'
+        f'INSERT INTO "{meta.db_table}" ({columns}) '
+        f'VALUES {", ".join([placeholder] * len(rows))} ON CONFLICT ({keys}) DO NOTHING '
+        f'RETURNING "{meta.pk.column}", {keys}'
     )
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
@@ -118,7 +119,10 @@ def _copy_value(field, value):
 
 
 def _insert_new_portable(model, rows, unique, key_columns) -> list[Model]:
-    lookups = {f"{name}__in": {getattr(r, col) for r in rows} for name, col in zip(unique, key_columns)}
+    lookups = {
+        f"{name}__in": {getattr(r, col) for r in rows}
+        for name, col in zip(unique, key_columns, strict=True)
+    }
     existing = set(model.objects.filter(**lookups).values_list(*key_columns))
     fresh, seen = [], set()
     for row in rows:

@@ -85,7 +85,8 @@ _DEADLINE_SQL = (
 def _claim_sql(project, worker_id, limit, now, rollout_id) -> list[tuple[Rollout, Attempt]]:
     given = {
         "rollout_id": "p.id",
-        "attempt_id": "'at-' || substr(md5(random()::text || clock_timestamp()::text || p.id), 1, 8)",
+        "attempt_id": "'at-' || substr(md5(random()::text || clock_timestamp()::text || p.id),"
+                      " 1, 8)",
         "sequence_id": "p.attempt_count + 1",
         "status": f"'{AttemptStatus.PREPARING}'",
         "worker_id": "%(worker)s::varchar",

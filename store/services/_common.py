@@ -152,7 +152,9 @@ def lock_resource_set_shared(resources_id: str) -> None:
     """Hold a share lock on a resources id until commit, so retention waits for us."""
     if connection.vendor == "postgresql":
         with connection.cursor() as cursor:
-            cursor.execute("SELECT 1 FROM store_resourceset WHERE id = %s FOR SHARE", [resources_id])
+            cursor.execute(
+                "SELECT 1 FROM store_resourceset WHERE id = %s FOR SHARE", [resources_id]
+            )
 
 
 __all__ = [

@@ -7,7 +7,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import transaction
-from django.db.models import F, Q
+from django.db.models import F
 from django.utils import timezone
 
 from store.errors import InvalidInput, NotFound
@@ -140,7 +140,8 @@ def span_next_sequence_id(
         pk = query.values_list("pk", flat=True).first()
         if pk is None:
             raise NotFound("attempt", f"{rollout_id}/{attempt_id}")
-        Attempt.objects.filter(pk=pk).update(next_span_sequence_id=F("next_span_sequence_id") + count)
+        row = Attempt.objects.filter(pk=pk)
+        row.update(next_span_sequence_id=F("next_span_sequence_id") + count)
         # The row stays locked by our update until commit, so this read is ours alone.
-        after = Attempt.objects.filter(Q(pk=pk)).values_list("next_span_sequence_id", flat=True)
+        after = row.values_list("next_span_sequence_id", flat=True)
         return after.get() - count

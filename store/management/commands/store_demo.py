@@ -22,17 +22,20 @@ class Command(BaseCommand):
     def handle(self, *args, project, rollouts, batch, **options):
         if rollouts < 1 or batch < 1:
             raise CommandError("--rollouts and --batch must be >= 1")
-        proj = Project.objects.filter(name=project).first() or services.project_create(name=project)
-        services.resources_add(project=proj, resources={
-            "prompt": {"resource_type": "prompt_template", "template": "Q: {q}", "engine": "f-string"}
-        })
+        proj = Project.objects.filter(name=project).first()
+        proj = proj or services.project_create(name=project)
+        services.resources_add(project=proj, resources={"prompt": {
+            "resource_type": "prompt_template", "template": "Q: {q}", "engine": "f-string",
+        }})
         started = time.perf_counter()
         services.rollout_enqueue_many(project=proj, specs=[
             RolloutSpec(input={"q": i}, mode="train", config={"timeout_seconds": 60})
             for i in range(rollouts)
         ])
         with tqdm(total=rollouts, unit="rollout", desc="rollouts") as bar:
-            while claimed := services.rollout_dequeue_many(project=proj, worker_id="demo", limit=batch):
+            while claimed := services.rollout_dequeue_many(
+                project=proj, worker_id="demo", limit=batch
+            ):
                 spans = [_span(r, a) for r, a in claimed]
                 services.spans_add(project=proj, spans=spans)
                 services.attempt_update_many(project=proj, updates=[

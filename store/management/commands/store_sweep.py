@@ -6,7 +6,8 @@ from store import watchdog
 
 
 class Command(BaseCommand):
-    help = "Run one watchdog sweep now and print what it changed (celery-beat runs it on a schedule)."
+    help = ("Run one watchdog sweep now and print what it changed "
+            "(celery-beat runs it on a schedule).")
 
     def handle(self, *args, **options):
         result = watchdog.sweep()
