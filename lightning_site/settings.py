@@ -42,6 +42,7 @@ INSTALLED_APPS = [
     "drf_spectacular_sidecar",
     "django_celery_beat",
     "store",
+    "runners",
 ]
 
 MIDDLEWARE = [
@@ -128,3 +129,58 @@ SPECTACULAR_SETTINGS = {
 }
 # Request bodies the API accepts (JSON and OTLP, after gunzip); larger ones get 413.
 STORE_API_MAX_BODY_BYTES = env_int("STORE_API_MAX_BODY_BYTES", 8 * 1024 * 1024, minimum=1024)
+
+# --- Celery (lightning_site/celery.py; README "Distributed") ----------------------------------
+_broker_url = env_str("CELERY_BROKER_URL")
+# No DATABASE_URL and no broker: the embedded default runs its workers in-process
+# (lightning_site.embedded) over Celery's in-memory transport.
+EMBEDDED_WORKERS = EMBEDDED and not _broker_url
+CELERY_BROKER_URL = _broker_url or (
+    "memory://" if EMBEDDED_WORKERS else "amqp://guest:guest@127.0.0.1:5672//"
+)
+# State lives in the database; the result backend is not a database, so results are dropped.
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_RESULT_BACKEND = None
+# Ack after the task ran: a worker that dies mid-rollout leaves its message to be delivered again.
+CELERY_TASK_ACKS_LATE = True
+# A pool process killed mid-task (OOM, kill -9) requeues its message instead of acking it.
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+# Long tasks: each process reserves only the task it runs; the rest wait for idle processes.
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+# Soft limit: the task gets SoftTimeLimitExceeded and records the attempt as failed.
+CELERY_TASK_SOFT_TIME_LIMIT = env_int("CELERY_TASK_SOFT_TIME_LIMIT", 3600, minimum=1)
+# Hard limit: the process is killed if it ignores the soft one (the watchdog then takes over).
+CELERY_TASK_TIME_LIMIT = env_int(
+    "CELERY_TASK_TIME_LIMIT", CELERY_TASK_SOFT_TIME_LIMIT + 60, minimum=CELERY_TASK_SOFT_TIME_LIMIT
+)
+CELERY_BROKER_TRANSPORT_OPTIONS = {
+    # Redis re-delivers an unacked message after this many seconds: it must exceed the longest
+    # task, or a rollout still running is delivered a second time (harmless, but wasted).
+    "visibility_timeout": CELERY_TASK_TIME_LIMIT + 600,
+}
+if env_str("CELERY_REDIS_KEY_PREFIX"):
+    # Redis only: several deployments (or test sessions) share one Redis without sharing queues.
+    CELERY_BROKER_TRANSPORT_OPTIONS["global_keyprefix"] = env_str("CELERY_REDIS_KEY_PREFIX")
+# RabbitMQ's consumer_timeout is a server setting (rabbitmq.conf, docker-compose.yml sets it):
+# it must also exceed CELERY_TASK_TIME_LIMIT, or the broker closes the channel of a long task.
+# Keep retrying the broker at start: in compose the workers often start before RabbitMQ.
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# Work that names no queue is housekeeping; every task of ours names its queue anyway.
+CELERY_TASK_DEFAULT_QUEUE = "control"
+# Flower shows tasks as they are sent and run.
+CELERY_WORKER_SEND_TASK_EVENTS = env_bool("CELERY_EVENTS", True)
+CELERY_TASK_SEND_SENT_EVENT = CELERY_WORKER_SEND_TASK_EVENTS
+CELERY_TIMEZONE = "UTC"
+# Periodic tasks are declared in CELERY_BEAT_SCHEDULE and synced into django-celery-beat's tables.
+CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
+
+# --- Runners (the executor, runners/executor.py) ---------------------------------------------
+# Seconds between heartbeats of a running attempt (the watchdog's unresponsive check reads them).
+RUNNERS_HEARTBEAT_SECONDS = env_float("RUNNERS_HEARTBEAT_SECONDS", 5.0, minimum=0.05)
+# Spans are shipped when this many are waiting, or at the next heartbeat.
+RUNNERS_SPAN_BATCH_SIZE = env_int("RUNNERS_SPAN_BATCH_SIZE", 100, minimum=1)
+# Rollouts enqueued for Celery without an unresponsive limit get this one (0: none), so an
+# attempt whose worker was killed is noticed by the watchdog instead of running forever.
+RUNNERS_DEFAULT_UNRESPONSIVE_SECONDS = env_float(
+    "RUNNERS_DEFAULT_UNRESPONSIVE_SECONDS", 120.0, minimum=0.0
+)

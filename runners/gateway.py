@@ -29,6 +29,8 @@ class Claim:
     resources_version: int | None
     config: dict[str, Any] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
+    # The agent's dotted path when the rollout was dispatched with one (Celery execution).
+    agent: str | None = None
 
 
 class StoreGateway(Protocol):
@@ -46,9 +48,11 @@ class StoreGateway(Protocol):
         rollouts among them that were cancelled, so the runner can stop."""
 
     def heartbeat(self, *, rollout_id: str, attempt_id: str, worker_id: str) -> bool:
-        """Mark the attempt alive; True when its rollout was cancelled."""
+        """Mark the attempt alive (and running); True when the runner must stop: its rollout
+        was cancelled, or the store already ended the attempt (e.g. timed out)."""
 
     def finish(
         self, *, rollout_id: str, attempt_id: str, status: str, error: str | None = None
     ) -> None:
-        """End the attempt as `succeeded` or `failed` (error recorded in its metadata)."""
+        """End the attempt as `succeeded` or `failed` (error recorded in its metadata under
+        "error")."""

@@ -112,9 +112,23 @@ class Rollout(models.Model):
         "Attempt", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
     attempt_count = models.PositiveIntegerField(default=0)
+    # How the rollout is delivered: None (runners dequeue it) or "celery" (a rollout task is sent
+    # for it, and sent again by the reconciliation sweep while it waits in the queue).
+    dispatch = models.CharField(max_length=16, null=True, blank=True)
+    # What runs it under that dispatch (the agent's dotted path).
+    dispatch_target = models.CharField(max_length=300, null=True, blank=True)
+    # When its message was last sent, and how many times it was sent.
+    dispatched_at = models.DateTimeField(null=True, blank=True)
+    dispatch_count = models.PositiveIntegerField(default=0)
 
     class Meta:
         indexes = [
+            # reconciliation: queued rollouts delivered by a message, oldest send first
+            models.Index(
+                fields=["dispatched_at"],
+                name="rollout_dispatch_due",
+                condition=Q(status__in=QUEUED, dispatch__isnull=False),
+            ),
             # dequeue: oldest queued rollout of a project, highest priority first
             models.Index(
                 "project",

@@ -8,6 +8,16 @@ from django.utils import timezone
 from store import services
 from store.models import Attempt, Project, Rollout
 from store.services import RolloutSpec
+from tests.celery_fixtures import (  # noqa: F401 - fixtures for tests with real Celery workers
+    broker,
+    broker_url,
+    celery_worker_env,
+    celery_workers,
+    rabbitmq_url,
+    redis_key_prefix,
+    redis_url,
+    sending_to,
+)
 
 
 @pytest.fixture

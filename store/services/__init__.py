@@ -1,5 +1,7 @@
 """Every write to the store. Keyword-only, typed, one short transaction each."""
 
+from store.services.attempts import AttemptUpdate, attempt_update, attempt_update_many
+from store.services.dispatch import Dispatch, rollout_dispatch_due, rollout_dispatch_set
 from store.services.projects import api_key_authenticate, api_key_create, project_create
 from store.services.resources import (
     resources_add,
@@ -18,12 +20,12 @@ from store.services.rollouts import (
     rollout_start,
     rollout_update,
 )
-from store.services.attempts import AttemptUpdate, attempt_update, attempt_update_many
 from store.services.spans import span_add, span_next_sequence_id, spans_add
 from store.services.workers import worker_update
 
 __all__ = [
     "AttemptUpdate",
+    "Dispatch",
     "RolloutSpec",
     "api_key_authenticate",
     "api_key_create",
@@ -37,6 +39,8 @@ __all__ = [
     "resources_update",
     "rollout_claim",
     "rollout_dequeue",
+    "rollout_dispatch_due",
+    "rollout_dispatch_set",
     "rollout_dequeue_many",
     "rollout_enqueue",
     "rollout_enqueue_many",

@@ -1,0 +1,219 @@
+"""One attempt end to end, against a `StoreGateway` (runners/gateway.py).
+
+The same code runs under the Celery rollout task (LocalGateway) and the remote runner
+(HttpGateway): fetch the pinned resources, run the agent in the calling thread while a watcher
+thread heartbeats and ships spans in batches, emit the returned reward, and finish the attempt
+`succeeded` or `failed` with the error recorded. When the store says the rollout was cancelled,
+the agent is stopped: `RolloutInfo.cancelled` is set and `AttemptCancelled` is raised in the
+agent's thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import connections
+
+from runners.agent import Agent, RolloutInfo, call_agent, load_agent
+from runners.gateway import Claim, StoreGateway
+from runners.tracing import AGL_ROLLOUT, attempt_tracing, emit_reward, tracer
+
+log = logging.getLogger(__name__)
+
+SUCCEEDED = "succeeded"
+FAILED = "failed"
+CANCELLED = "cancelled"
+MAX_ERROR_CHARS = 8000
+
+
+class AttemptCancelled(BaseException):  # noqa: N818 - BaseException: `except Exception` in agents must not swallow it
+    """Raised in the agent's thread when its rollout is cancelled."""
+
+
+@dataclass(frozen=True)
+class ExecutorOptions:
+    heartbeat_seconds: float = 5.0
+    span_batch_size: int = 100
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: str  # succeeded, failed or cancelled
+    reward: float | None = None
+    error: str | None = None
+    spans: int = 0
+
+
+def execute(
+    *, gateway: StoreGateway, claim: Claim, agent: Agent | str, worker_id: str,
+    options: ExecutorOptions | None = None,
+) -> Outcome:
+    """Run one claimed attempt to its end and report it to the store."""
+    options = options or ExecutorOptions()
+    info = RolloutInfo(
+        rollout_id=claim.rollout_id, attempt_id=claim.attempt_id, mode=claim.mode,
+        resources_id=claim.resources_id, resources_version=claim.resources_version,
+        config=claim.config, metadata=claim.metadata,
+    )
+    guard = _CancelGuard(info)
+    watcher = _Watcher(gateway, claim, worker_id, options.heartbeat_seconds, guard)
+    with attempt_tracing(rollout_id=claim.rollout_id, attempt_id=claim.attempt_id,
+                         batch_size=options.span_batch_size, on_full=watcher.wake) as spans:
+        watcher.spans = spans
+        if gateway.heartbeat(rollout_id=claim.rollout_id, attempt_id=claim.attempt_id,
+                             worker_id=worker_id):
+            guard.cancelled_before_start()
+        watcher.start()
+        try:
+            outcome = _run(gateway, claim, agent, info, guard)
+        finally:
+            watcher.stop()
+        _ship_rest(gateway, spans)
+    outcome = Outcome(outcome.status, outcome.reward, outcome.error, spans.count)
+    gateway.finish(
+        rollout_id=claim.rollout_id, attempt_id=claim.attempt_id,
+        status=SUCCEEDED if outcome.status == SUCCEEDED else FAILED,
+        error=outcome.error,
+    )
+    return outcome
+
+
+def _run(gateway: StoreGateway, claim: Claim, agent: Agent | str, info: RolloutInfo,
+         guard: _CancelGuard) -> Outcome:
+    try:
+        try:
+            if guard.stop_requested:
+                raise AttemptCancelled()
+            resources = (
+                gateway.resources(resources_id=claim.resources_id,
+                                  version=claim.resources_version)
+                if claim.resources_id else {}
+            )
+            fn = load_agent(agent) if isinstance(agent, str) else agent
+            with tracer().start_as_current_span(
+                AGL_ROLLOUT, attributes={"agentlightning.rollout_id": claim.rollout_id,
+                                         "agentlightning.attempt_id": claim.attempt_id},
+            ):
+                guard.enter()
+                reward = call_agent(fn, task=claim.input, resources=resources, rollout=info)
+                guard.leave()
+                if reward is not None:
+                    emit_reward(reward)
+        finally:
+            guard.leave()
+    except AttemptCancelled:
+        return Outcome(CANCELLED, error="cancelled: the rollout was cancelled while running")
+    except Exception as exc:  # the agent's failure is the attempt's failure, recorded
+        log.info("attempt %s/%s failed: %r", claim.rollout_id, claim.attempt_id, exc)
+        return Outcome(FAILED, error=_describe(exc))
+    return Outcome(SUCCEEDED, reward=reward)
+
+
+def _ship_rest(gateway: StoreGateway, spans: Any) -> None:
+    batch = spans.take()
+    while batch:
+        gateway.add_spans(spans=batch)
+        batch = spans.take()
+
+
+def _describe(exc: BaseException) -> str:
+    text = "".join(traceback.format_exception(exc))
+    return text if len(text) <= MAX_ERROR_CHARS else "..." + text[-MAX_ERROR_CHARS:]
+
+
+class _CancelGuard:
+    """Stops the agent's thread at most once, and only while the agent runs."""
+
+    def __init__(self, info: RolloutInfo) -> None:
+        self.info = info
+        self.thread_id = threading.get_ident()
+        self.stop_requested = False
+        self._lock = threading.Lock()
+        self._running = False
+        self._injected = False
+
+    def cancelled_before_start(self) -> None:
+        self.stop_requested = True
+        self.info.cancelled.set()
+
+    def enter(self) -> None:
+        with self._lock:
+            self._running = not self.stop_requested
+        if self.stop_requested:
+            raise AttemptCancelled()
+
+    def leave(self) -> None:
+        with self._lock:
+            self._running = False
+            if self._injected:
+                # Drop a stop that was raised too late to land inside the agent.
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_id), None)
+
+    def cancel(self) -> None:
+        self.info.cancelled.set()
+        with self._lock:
+            self.stop_requested = True
+            if self._running and not self._injected:
+                self._injected = True
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                    ctypes.c_ulong(self.thread_id), ctypes.py_object(AttemptCancelled)
+                )
+
+
+class _Watcher(threading.Thread):
+    """Heartbeats the attempt and ships its spans while the agent runs."""
+
+    def __init__(self, gateway: StoreGateway, claim: Claim, worker_id: str, interval: float,
+                 guard: _CancelGuard) -> None:
+        super().__init__(name=f"heartbeat-{claim.attempt_id}", daemon=True)
+        self.gateway = gateway
+        self.claim = claim
+        self.worker_id = worker_id
+        self.interval = interval
+        self.guard = guard
+        self.spans: Any = None
+        self._wake = threading.Event()
+        self._done = threading.Event()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._done.set()
+        self._wake.set()
+        self.join()
+
+    def run(self) -> None:
+        try:
+            while not self._done.is_set():
+                self._wake.wait(self.interval)
+                self._wake.clear()
+                if self._done.is_set():
+                    break
+                try:
+                    self._tick()
+                except Exception:  # the store is unreachable: try again at the next tick
+                    log.exception("heartbeat of %s/%s failed", self.claim.rollout_id,
+                                  self.claim.attempt_id)
+        finally:
+            connections.close_all()  # this thread's own database connections, if any
+
+    def _tick(self) -> None:
+        batch = self.spans.take()
+        if batch:
+            try:
+                stop = self.claim.rollout_id in self.gateway.add_spans(spans=batch)
+            except Exception:
+                self.spans.put_back(batch)
+                raise
+        else:
+            stop = self.gateway.heartbeat(rollout_id=self.claim.rollout_id,
+                                          attempt_id=self.claim.attempt_id,
+                                          worker_id=self.worker_id)
+        if stop:
+            self.guard.cancel()

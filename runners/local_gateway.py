@@ -1,0 +1,91 @@
+"""The StoreGateway on the store's own services: Celery rollout tasks and the embedded default."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from django.utils import timezone
+
+from runners.gateway import Claim
+from store import selectors, services
+from store.errors import IllegalTransition
+from store.models import Attempt, Project, Rollout
+from store.statemachine import AttemptStatus
+
+log = logging.getLogger(__name__)
+
+
+class LocalGateway:
+    def __init__(self, project: Project | int) -> None:
+        self.project = (
+            project if isinstance(project, Project) else Project.objects.get(pk=project)
+        )
+
+    def claim(self, *, worker_id: str, limit: int = 1) -> list[Claim]:
+        claimed = services.rollout_dequeue_many(
+            project=self.project, worker_id=worker_id, limit=limit
+        )
+        return [_claim(rollout, attempt) for rollout, attempt in claimed]
+
+    def claim_rollout(self, *, rollout_id: str, worker_id: str) -> Claim | None:
+        claimed = services.rollout_claim(
+            project=self.project, rollout_id=rollout_id, worker_id=worker_id
+        )
+        return _claim(*claimed) if claimed else None
+
+    def resources(self, *, resources_id: str, version: int | None) -> dict[str, Any]:
+        row = selectors.resources_get(
+            project=self.project, resources_id=resources_id, version=version
+        )
+        return row.resources
+
+    def add_spans(self, *, spans: list[dict[str, Any]]) -> set[str]:
+        services.spans_add(project=self.project, spans=spans)
+        return selectors.rollout_cancelled_ids(
+            project=self.project, rollout_ids=sorted({s["rollout_id"] for s in spans})
+        )
+
+    def heartbeat(self, *, rollout_id: str, attempt_id: str, worker_id: str) -> bool:
+        try:
+            services.attempt_update(
+                project=self.project, rollout_id=rollout_id, attempt_id=attempt_id,
+                status=AttemptStatus.RUNNING, last_heartbeat_time=timezone.now(),
+            )
+        except IllegalTransition as exc:
+            log.info("attempt %s/%s ended elsewhere: %s", rollout_id, attempt_id, exc)
+            return True
+        return bool(
+            selectors.rollout_cancelled_ids(project=self.project, rollout_ids=[rollout_id])
+        )
+
+    def finish(
+        self, *, rollout_id: str, attempt_id: str, status: str, error: str | None = None
+    ) -> None:
+        attempt = selectors.attempt_get(
+            project=self.project, rollout_id=rollout_id, attempt_id=attempt_id
+        )
+        metadata = dict(attempt.metadata or {})
+        if error is not None:
+            metadata["error"] = error
+        try:
+            services.attempt_update(
+                project=self.project, rollout_id=rollout_id, attempt_id=attempt_id,
+                status=status, metadata=metadata,
+            )
+        except IllegalTransition as exc:  # someone already gave the final verdict
+            log.warning("late report for %s/%s ignored: %s", rollout_id, attempt_id, exc)
+
+
+def _claim(rollout: Rollout, attempt: Attempt) -> Claim:
+    return Claim(
+        rollout_id=rollout.pk,
+        attempt_id=attempt.attempt_id,
+        input=rollout.input,
+        mode=rollout.mode,
+        resources_id=rollout.resources_id,
+        resources_version=rollout.resources_version,
+        config=dict(rollout.config or {}),
+        metadata=dict(rollout.metadata or {}),
+        agent=rollout.dispatch_target,
+    )

@@ -1,0 +1,16 @@
+"""Celery tasks of the runners app: thin (ids in, one service call), each on its queue."""
+
+from __future__ import annotations
+
+from celery import shared_task
+
+from lightning_site.queues import Queue
+from runners import services
+
+
+@shared_task(name=services.RUN_ROLLOUT_TASK, queue=Queue.ROLLOUTS.value, bind=True)
+def run_rollout(self, *, project_id: int, rollout_id: str) -> str:
+    return services.rollout_run(
+        project_id=project_id, rollout_id=rollout_id,
+        worker_id=services.worker_id_here(self.request.hostname),
+    )

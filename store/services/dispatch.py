@@ -1,0 +1,78 @@
+"""How queued rollouts are delivered: by a message (e.g. a Celery task) instead of a dequeue.
+
+The store only records it; the app that sends messages (runners) decides what to send. A
+message is a wake-up call, the row is the truth: these services tell the sender which rollouts
+need a (new) message, and mark them sent in the same short transaction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from django.db import transaction
+from django.db.models import F, Q
+from django.utils import timezone
+
+from store.errors import InvalidInput
+from store.models import Project, Rollout
+from store.statemachine import QUEUED
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """A rollout whose message must be sent (after the caller's transaction commits)."""
+
+    project_id: int
+    rollout_id: str
+    dispatch: str
+    target: str | None
+
+
+def rollout_dispatch_set(
+    *, project: Project, rollout_ids: Sequence[str], dispatch: str, target: str | None,
+    now: datetime | None = None,
+) -> list[Dispatch]:
+    """Mark queued rollouts as delivered by `dispatch` running `target`, a message sent now.
+    Returns the rollouts marked (rollouts no longer queued are left alone)."""
+    if not dispatch or len(dispatch) > 16:
+        raise InvalidInput("dispatch", "must be 1-16 characters")
+    if target is not None and len(target) > 300:
+        raise InvalidInput("target", "must be at most 300 characters")
+    now = now or timezone.now()
+    with transaction.atomic():
+        ids = list(
+            Rollout.objects.filter(project=project, pk__in=rollout_ids, status__in=QUEUED)
+            .values_list("pk", flat=True)
+        )
+        Rollout.objects.filter(pk__in=ids, status__in=QUEUED).update(
+            dispatch=dispatch, dispatch_target=target, dispatched_at=now,
+            dispatch_count=F("dispatch_count") + 1,
+        )
+    return [Dispatch(project.pk, rid, dispatch, target) for rid in ids]
+
+
+def rollout_dispatch_due(
+    *, resend_after_seconds: float, limit: int, now: datetime | None = None
+) -> list[Dispatch]:
+    """Queued message-delivered rollouts whose message may be lost: requeued since their last
+    send (a retry), or sent more than `resend_after_seconds` ago and still waiting. Marks them
+    sent now (compare-and-swap under SKIP LOCKED), so concurrent sweeps send each once."""
+    if limit < 1:
+        raise InvalidInput("limit", "must be >= 1")
+    now = now or timezone.now()
+    cutoff = now - timedelta(seconds=resend_after_seconds)
+    with transaction.atomic():
+        # Served by the partial index rollout_dispatch_due (queued, dispatch set).
+        rows = list(
+            Rollout.objects.select_for_update(skip_locked=True)
+            .filter(status__in=QUEUED, dispatch__isnull=False)
+            .filter(Q(dispatched_at__lte=cutoff) | Q(enqueue_time__gt=F("dispatched_at")))
+            .order_by("dispatched_at")
+            .values_list("pk", "project_id", "dispatch", "dispatch_target")[:limit]
+        )
+        Rollout.objects.filter(pk__in=[r[0] for r in rows]).update(
+            dispatched_at=now, dispatch_count=F("dispatch_count") + 1
+        )
+    return [Dispatch(project_id, pk, dispatch, target) for pk, project_id, dispatch, target in rows]

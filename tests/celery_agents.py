@@ -1,0 +1,71 @@
+"""Small agents the Celery and executor tests run (found by dotted path, as users' agents are)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+from opentelemetry import trace
+
+from runners.tracing import emit_message
+
+
+def ok_agent(task, rollout):
+    """Emits an instrumented-library span and a message; the reward is the input's `i`."""
+    with trace.get_tracer("some.instrumented.lib").start_as_current_span("llm.call") as span:
+        span.set_attribute("gen_ai.prompt", f"question {task['i']}")
+    emit_message(f"done {rollout.rollout_id}")
+    return float(task["i"])
+
+
+def noop_agent(task):
+    return None
+
+
+def failing_agent(task):
+    raise ValueError(f"bad input {task!r}")
+
+
+def threaded_agent(task):
+    """A span started in a thread of its own, with no context propagated."""
+    def work() -> None:
+        with trace.get_tracer("lib").start_as_current_span("in.thread"):
+            pass
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    return 1.0
+
+
+def llm_agent(task, llm, resources):
+    """AGL style: a resource by its name."""
+    return 1.0 if llm["endpoint"] == resources["llm"]["endpoint"] == task["endpoint"] else 0.0
+
+
+def looping_agent(task, rollout):
+    """Runs until stopped (cancellation), at most `seconds`."""
+    deadline = time.monotonic() + task.get("seconds", 60)
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
+    return 0.0
+
+
+def die_once_agent(task):
+    """First run: records its pid in `task["marker"]` and blocks (the test kills it). Later runs:
+    succeed."""
+    marker = Path(task["marker"])
+    if not marker.exists():
+        marker.write_text(str(os.getpid()))
+        time.sleep(task.get("seconds", 60))
+        return 0.0
+    return 1.0
+
+
+class CountingAgent:
+    """The class form."""
+
+    def rollout(self, task, rollout_id):
+        return 2.0 if rollout_id.startswith("ro-") else 0.0

@@ -1,0 +1,143 @@
+"""The executor end to end against LocalGateway on the real database (no broker involved)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from runners import executor
+from runners import services as runner_services
+from runners.agent import AgentError, load_agent
+from runners.executor import ExecutorOptions
+from runners.local_gateway import LocalGateway
+from runners.tracing import AGL_ANNOTATION, AGL_MESSAGE
+from store import selectors, services
+from store.models import Span
+from store.services import RolloutSpec
+from tests.celery_agents import CountingAgent
+from tests.celery_fixtures import wait_until
+
+pytestmark = pytest.mark.django_db(transaction=True)
+FAST = ExecutorOptions(heartbeat_seconds=0.05, span_batch_size=2)
+
+
+def run_one(project, agent, *, input=None, resources_id=None, options=FAST):
+    services.rollout_enqueue(project=project, spec=RolloutSpec(input=input or {"i": 3},
+                                                              resources_id=resources_id))
+    gateway = LocalGateway(project)
+    claim = gateway.claim(worker_id="w-test")[0]
+    outcome = executor.execute(gateway=gateway, claim=claim, agent=agent, worker_id="w-test",
+                               options=options)
+    rollout = selectors.rollout_get(project=project, rollout_id=claim.rollout_id)
+    return outcome, rollout
+
+
+def test_agent_reward_and_instrumented_spans_are_recorded(project):
+    outcome, rollout = run_one(project, "tests.celery_agents:ok_agent")
+    assert outcome.status == "succeeded" and outcome.reward == 3.0
+    assert rollout.status == "succeeded"
+    assert rollout.latest_attempt.status == "succeeded"
+    spans = {s.name: s for s in Span.objects.filter(rollout=rollout)}
+    assert set(spans) == {"llm.call", AGL_MESSAGE, AGL_ANNOTATION, "agentlightning.rollout"}
+    reward = spans[AGL_ANNOTATION]
+    assert reward.attributes["agentlightning.reward.0.name"] == "primary"
+    assert reward.attributes["agentlightning.reward.0.value"] == 3.0
+    root = spans["agentlightning.rollout"]
+    assert spans["llm.call"].parent_id == root.span_id
+    assert spans["llm.call"].trace_id == root.trace_id and len(root.trace_id) == 32
+    assert len(root.span_id) == 16 and root.parent_id is None
+    assert spans["llm.call"].attributes["gen_ai.prompt"] == "question 3"
+    assert sorted(s.sequence_id for s in spans.values()) == [1, 2, 3, 4]
+    resource = root.resource["attributes"]
+    assert resource["agentlightning.attempt_id"] == rollout.latest_attempt.attempt_id
+
+
+def test_span_dicts_follow_the_agl_schema(project):
+    run_one(project, "tests.celery_agents:ok_agent")
+    span = Span.objects.get(name="llm.call")
+    assert span.status == {"status_code": "UNSET", "description": None}
+    assert span.context["trace_id"] == span.trace_id and span.context["is_remote"] is False
+    assert span.parent["span_id"] == span.parent_id
+    assert span.start_time <= span.end_time and span.events == [] and span.links == []
+
+
+def test_a_span_from_an_unpropagated_thread_still_belongs_to_the_attempt(project):
+    outcome, rollout = run_one(project, "tests.celery_agents:threaded_agent")
+    assert outcome.status == "succeeded"
+    assert Span.objects.filter(rollout=rollout, name="in.thread").exists()
+
+
+def test_agent_exception_fails_the_attempt_with_the_error_recorded(project):
+    outcome, rollout = run_one(project, "tests.celery_agents:failing_agent")
+    assert outcome.status == "failed"
+    assert rollout.status == "failed"
+    assert "ValueError: bad input" in rollout.latest_attempt.metadata["error"]
+
+
+def test_unknown_agent_fails_the_attempt(project):
+    outcome, rollout = run_one(project, "tests.celery_agents:no_such_agent")
+    assert rollout.status == "failed"
+    assert "no_such_agent" in rollout.latest_attempt.metadata["error"]
+
+
+def test_resources_are_given_by_name(project):
+    version = services.resources_add(
+        project=project, resources={"llm": {"resource_type": "llm", "endpoint": "http://x/v1"}}
+    )
+    outcome, _ = run_one(project, "tests.celery_agents:llm_agent",
+                         input={"endpoint": "http://x/v1"}, resources_id=version.resource_set_id)
+    assert outcome.reward == 1.0
+
+
+def test_class_agents_are_instantiated_once(project):
+    assert isinstance(load_agent("tests.celery_agents.CountingAgent"), CountingAgent)
+    assert load_agent("tests.celery_agents:CountingAgent") is load_agent(
+        "tests.celery_agents:CountingAgent"
+    )
+    outcome, _ = run_one(project, "tests.celery_agents:CountingAgent")
+    assert outcome.reward == 2.0
+
+
+def test_bad_agent_paths_are_refused():
+    with pytest.raises(AgentError):
+        load_agent("nodots")
+
+
+def test_cancellation_stops_a_running_agent(project):
+    services.rollout_enqueue(project=project, spec=RolloutSpec(input={"seconds": 60}))
+    gateway = LocalGateway(project)
+    claim = gateway.claim(worker_id="w-test")[0]
+    result = {}
+
+    def run() -> None:
+        result["outcome"] = executor.execute(
+            gateway=gateway, claim=claim, agent="tests.celery_agents:looping_agent",
+            worker_id="w-test", options=FAST,
+        )
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    wait_until(lambda: selectors.rollout_get(project=project, rollout_id=claim.rollout_id)
+               .status == "running", timeout=30)
+    services.rollout_update(project=project, rollout_id=claim.rollout_id, status="cancelled")
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert result["outcome"].status == "cancelled"
+    rollout = selectors.rollout_get(project=project, rollout_id=claim.rollout_id)
+    assert rollout.status == "cancelled"
+    assert rollout.latest_attempt.status == "failed"
+    assert "cancelled" in rollout.latest_attempt.metadata["error"]
+
+
+@pytest.mark.django_db  # inside the test's transaction: nothing commits, nothing is sent
+def test_enqueue_for_celery_sends_only_after_commit(project, django_capture_on_commit_callbacks):
+    with django_capture_on_commit_callbacks() as callbacks:
+        rollouts = runner_services.rollouts_enqueue_for_celery(
+            project=project, specs=[RolloutSpec(input={"i": 1})],
+            agent="tests.celery_agents:ok_agent",
+        )
+    assert len(callbacks) == 1
+    rollout = selectors.rollout_get(project=project, rollout_id=rollouts[0].pk)
+    assert (rollout.dispatch, rollout.dispatch_target) == ("celery", "tests.celery_agents:ok_agent")
+    assert rollout.config["unresponsive_seconds"] == 120.0
