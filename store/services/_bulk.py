@@ -92,9 +92,13 @@ def _insert_new_copy(model, rows, unique, key_columns, fields) -> list[Model]:
             f'CREATE TEMP TABLE IF NOT EXISTS "{stage}" ON COMMIT DELETE ROWS '
             f'AS SELECT {columns} FROM "{meta.db_table}" WITH NO DATA'
         )
+        plan = [(f.attname, f.encoder if f.get_internal_type() == "JSONField" else False)
+                for f in fields]
         with cursor.cursor.copy(f'COPY "{stage}" ({columns}) FROM STDIN') as copy:
             for row in rows:
-                copy.write_row([_copy_value(f, getattr(row, f.attname)) for f in fields])
+                values = row.__dict__
+                copy.write_row([_copy_value(values[name], json_encoder)
+                                for name, json_encoder in plan])
         cursor.execute(
             f'INSERT INTO "{meta.db_table}" ({columns}) SELECT DISTINCT ON ({keys}) {columns} '
             f'FROM "{stage}" ON CONFLICT ({keys}) DO NOTHING RETURNING "{meta.pk.column}", {keys}'
@@ -110,12 +114,13 @@ def _insert_new_copy(model, rows, unique, key_columns, fields) -> list[Model]:
     return inserted
 
 
-def _copy_value(field, value):
-    if value is None:
-        return None
-    if field.get_internal_type() == "JSONField":
-        return json.dumps(value, cls=field.encoder)
-    return value
+def _copy_value(value, json_encoder):
+    """COPY's text for a value; `json_encoder` is False for a column that is not JSON."""
+    if value is None or json_encoder is False:
+        return value
+    if not value and isinstance(value, dict | list):
+        return "{}" if isinstance(value, dict) else "[]"
+    return json.dumps(value, cls=json_encoder)
 
 
 def _insert_new_portable(model, rows, unique, key_columns) -> list[Model]:

@@ -82,26 +82,32 @@ def _attempts_for(project: Project, spans: Sequence[dict]) -> dict[tuple[str, st
     return {key: found[key] for key in keys}
 
 
+_ATTNAMES = [f.attname for f in Span._meta.concrete_fields]
+
+
 def _row(span: dict[str, Any], attempt: Attempt) -> Span:
-    return Span(
-        rollout_id=attempt.rollout_id,
-        attempt_id=attempt.pk,
-        sequence_id=span["sequence_id"],
-        trace_id=span["trace_id"],
-        span_id=span["span_id"],
-        parent_id=span.get("parent_id"),
-        name=span["name"],
-        status=span.get("status") or {"status_code": "UNSET", "description": None},
-        attributes=span.get("attributes") or {},
-        events=span.get("events") or [],
-        links=span.get("links") or [],
-        start_time=span.get("start_time"),
-        end_time=span.get("end_time"),
-        context=span.get("context"),
-        parent=span.get("parent"),
-        resource=span.get("resource") or {"attributes": {}, "schema_url": ""},
-        extra={k: v for k, v in span.items() if k not in _KNOWN},
-    )
+    values = {
+        "id": None,
+        "rollout_id": attempt.rollout_id,
+        "attempt_id": attempt.pk,
+        "sequence_id": span["sequence_id"],
+        "trace_id": span["trace_id"],
+        "span_id": span["span_id"],
+        "parent_id": span.get("parent_id"),
+        "name": span["name"],
+        "status": span.get("status") or {"status_code": "UNSET", "description": None},
+        "attributes": span.get("attributes") or {},
+        "events": span.get("events") or [],
+        "links": span.get("links") or [],
+        "start_time": span.get("start_time"),
+        "end_time": span.get("end_time"),
+        "context": span.get("context"),
+        "parent": span.get("parent"),
+        "resource": span.get("resource") or {"attributes": {}, "schema_url": ""},
+        "extra": {k: v for k, v in span.items() if k not in _KNOWN},
+    }
+    # Positional construction skips Django's per-keyword checks: a third of the ingest cost.
+    return Span(*[values[name] for name in _ATTNAMES])
 
 
 def heartbeat(attempts: list[Attempt], now: datetime) -> None:
