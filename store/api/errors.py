@@ -91,4 +91,6 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
         # A bug of ours: logged with its traceback here, never sent to the client.
         log.exception("unhandled error in %s", context.get("view").__class__.__name__)
         return Response({"detail": "internal server error"}, status=500)
+    if not (isinstance(response.data, dict) and "detail" in response.data):
+        response.data = {"detail": response.data}
     return response

@@ -32,7 +32,6 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from rest_framework.parsers import BaseParser
 from rest_framework.request import Request
-from rest_framework.serializers import ValidationError
 
 from store import selectors, services
 from store.api import limits
@@ -279,10 +278,7 @@ class OtlpTracesView(OtlpView):
         if len(spans) > limits.MAX_SPANS_PER_REQUEST:
             raise PayloadTooLarge(f"more than {limits.MAX_SPANS_PER_REQUEST} spans")
         for span in spans:
-            try:
-                check_span_sizes(span)
-            except ValidationError as exc:
-                raise ValidationError({"spans": exc.detail}) from None
+            check_span_sizes(span)
         if spans:
             assign_sequence_ids(self.project, spans)
             services.spans_add(project=self.project, spans=spans)

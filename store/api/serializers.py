@@ -9,7 +9,7 @@ from typing import Any
 
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
-from rest_framework import serializers
+from rest_framework import exceptions, serializers
 
 from store.api import limits
 from store.models import Attempt, ResourceVersion, Rollout, Span, Worker
@@ -55,6 +55,13 @@ class ObjectField(serializers.DictField):
     def __init__(self, **kwargs: Any) -> None:
         kwargs.setdefault("child", AnyJSONField())
         super().__init__(**kwargs)
+
+
+class SpanTooLarge(exceptions.APIException):
+    """A size limit inside a span: 400, not a validation error (it is not a field's shape)."""
+
+    status_code = 400
+    default_code = "too_large"
 
 
 # --- inputs ----------------------------------------------------------------------------------
@@ -268,16 +275,17 @@ class SpanField(serializers.Field):
 
 
 def check_span_sizes(span: dict[str, Any]) -> None:
+    """Refuse (400) a span with too many or too long attributes."""
     attributes = span.get("attributes")
     if not isinstance(attributes, dict):
         return
     if len(attributes) > limits.MAX_ATTRIBUTES_PER_SPAN:
-        raise serializers.ValidationError(
+        raise SpanTooLarge(
             {"attributes": f"at most {limits.MAX_ATTRIBUTES_PER_SPAN} attributes per span"}
         )
     for key, value in attributes.items():
         if isinstance(value, str) and len(value) > limits.MAX_ATTRIBUTE_LENGTH:
-            raise serializers.ValidationError(
+            raise SpanTooLarge(
                 {"attributes": {key: f"longer than {limits.MAX_ATTRIBUTE_LENGTH} characters"}}
             )
 
@@ -304,7 +312,9 @@ class SpanIn(serializers.Serializer):
 
 
 class SpanBatchIn(serializers.Serializer):
-    spans = serializers.ListField(child=SpanField(), max_length=limits.MAX_SPANS_PER_REQUEST)
+    spans = serializers.ListField(
+        child=SpanField(), help_text=f"At most {limits.MAX_SPANS_PER_REQUEST} spans (else 413)."
+    )
 
 
 class HeartbeatIn(serializers.Serializer):

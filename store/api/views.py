@@ -19,6 +19,7 @@ from store.api import limits
 from store.api import serializers as s
 from store.api.auth import ADMIN_ONLY, ALGORITHM_ROLES
 from store.api.base import StoreView, respond
+from store.api.errors import PayloadTooLarge
 from store.errors import NotFound
 from store.models import ApiKey
 from store.services.longpoll import rollout_dequeue_wait
@@ -380,6 +381,9 @@ class AddSpanBatchView(StoreView):
     @extend_schema(request=s.SpanBatchIn, responses={200: s.SpanBatchOut},
                    operation_id="add_spans_batch")
     def post(self, request: Request) -> Response:
+        raw = request.data.get("spans") if isinstance(request.data, dict) else None
+        if isinstance(raw, list) and len(raw) > limits.MAX_SPANS_PER_REQUEST:
+            raise PayloadTooLarge(f"more than {limits.MAX_SPANS_PER_REQUEST} spans")
         spans = self.body(s.SpanBatchIn)["spans"]
         rows = services.spans_add(project=self.project, spans=spans) if spans else []
         rollout_ids = {span["rollout_id"] for span in spans}

@@ -1,6 +1,6 @@
 """Fixtures for the API tests: a real gunicorn server on the test database, project keys.
 
-Test files import the fixtures they use from here. The server is one subprocess per test
+The server is one subprocess per test
 session on a free port in 18000-18099; it reads the rows the tests commit (tests that talk
 to it use `transactional_db`).
 """
@@ -43,7 +43,8 @@ def free_port(exclude: set[int] = frozenset()) -> int:
 
 def database_url_for_tests() -> str:
     db = settings.DATABASES["default"]
-    return f"postgres://{db['USER'] or 'postgres'}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
+    user, host = db["USER"] or "postgres", db["HOST"] or "127.0.0.1"
+    return f"postgres://{user}@{host}:{db['PORT'] or 5432}/{db['NAME']}"
 
 
 class Server:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 
 from store.models import Rollout
-from tests.api_helpers import Keys, algo, api_server, keys, runner  # noqa: F401
+from tests.api.conftest import Keys
 
 SPAN = {
     "trace_id": "a" * 32, "name": "llm", "status": {"status_code": "OK", "description": None},

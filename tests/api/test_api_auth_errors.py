@@ -1,0 +1,189 @@
+"""Authentication, roles, project isolation and bad input, over real HTTP."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import httpx
+import pytest
+
+from store.models import Project
+from tests.api.conftest import Keys, http
+
+
+def _enqueue(client: httpx.Client, n: int = 1) -> list[dict]:
+    response = client.post("/queues/rollouts/enqueue",
+                           json={"rollouts": [{"input": i} for i in range(n)]})
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+def test_missing_key_is_401(api_server):
+    response = httpx.get(api_server.url + "/v1/agl/rollouts")
+    assert response.status_code == 401
+    assert response.headers["WWW-Authenticate"].startswith("Bearer")
+
+
+@pytest.mark.parametrize("header", [
+    "Bearer agl_wrong-key-000000000000000",
+    "Bearer short",
+    "Basic " + base64.b64encode(b"runner:agl_not-a-real-key-at-all").decode(),
+    "Basic !!!not-base64",
+    "Token abc",
+    "Bearer",
+])
+def test_wrong_or_malformed_key_is_401(api_server, keys: Keys, header: str):
+    response = httpx.get(api_server.url + "/v1/agl/rollouts", headers={"Authorization": header})
+    assert response.status_code == 401
+    assert "Traceback" not in response.text
+
+
+def test_basic_auth_with_the_key_as_password_works(api_server, keys: Keys):
+    url = api_server.url.replace("http://", f"http://runner:{keys.runner}@") + "/v1/agl/statistics"
+    response = httpx.get(url)
+    assert response.status_code == 200 and response.json()["total_rollouts"] == 0
+
+
+def test_revoked_key_is_401(api_server, keys: Keys):
+    from django.utils import timezone
+
+    from store.models import ApiKey
+
+    ApiKey.objects.filter(project=keys.project, role="runner").update(revoked_at=timezone.now())
+    with http(api_server, keys.runner) as client:
+        assert client.get("/statistics").status_code == 401
+
+
+def test_another_projects_ids_are_not_found(api_server, keys: Keys, algo, runner):
+    rid = _enqueue(algo)[0]["rollout_id"]
+    aid = runner.post("/queues/rollouts/dequeue", json={"worker_id": "w"}).json()[0]["attempt"][
+        "attempt_id"]
+    rs = algo.post("/resources", json={"r": {"resource_type": "llm", "endpoint": "e",
+                                             "model": "m"}}).json()["resources_id"]
+    with http(api_server, keys.other) as other:
+        assert other.get(f"/rollouts/{rid}").status_code == 404
+        assert other.post(f"/rollouts/{rid}", json={"status": "cancelled"}).status_code == 404
+        assert other.get(f"/rollouts/{rid}/attempts").status_code == 404
+        assert other.post(f"/rollouts/{rid}/attempts/{aid}",
+                          json={"status": "failed"}).status_code == 404
+        assert other.get(f"/resources/{rs}").status_code == 404
+        assert other.post(f"/resources/{rs}", json={}).status_code == 404
+        assert other.get("/spans", params={"rollout_id": rid}).status_code == 404
+        assert other.post("/spans/next", json={"rollout_id": rid,
+                                               "attempt_id": aid}).status_code == 404
+        assert other.get("/rollouts").json()["total"] == 0
+        assert other.post("/queues/rollouts/dequeue", json={}).json() == []
+        assert other.get("/workers/w").json() is None
+        body = other.post("/waits/rollouts", json={"rollout_ids": [rid], "timeout": 0}).json()
+        assert body == []
+    assert algo.get(f"/rollouts/{rid}").json()["status"] == "preparing"
+
+
+@pytest.mark.parametrize("method,path,body", [
+    ("post", "/queues/rollouts/enqueue", {"rollouts": [{"input": 1}]}),
+    ("post", "/rollouts", {"input": 1}),
+    ("post", "/rollouts/ro-x", {"status": "cancelled"}),
+    ("post", "/rollouts/ro-x/attempts", None),
+    ("post", "/resources", {}),
+    ("post", "/resources/rs-x", {}),
+    ("delete", "/resources/rs-x", None),
+])
+def test_runner_keys_cannot_do_algorithm_work(runner, method: str, path: str, body):
+    response = runner.request(method.upper(), path, json=body)
+    assert response.status_code == 403, response.text
+
+
+def test_only_admin_keys_create_projects(api_server, keys: Keys):
+    url = api_server.url + "/v1/projects"
+    for key in (keys.runner, keys.algorithm):
+        response = httpx.post(url, json={"name": "new"}, headers={"Authorization": f"Bearer {key}"})
+        assert response.status_code == 403
+    response = httpx.post(url, json={"name": "new"},
+                          headers={"Authorization": f"Bearer {keys.admin}"})
+    assert response.status_code == 201
+    new_keys = response.json()["keys"]
+    assert set(new_keys) == {"runner", "algorithm", "admin"}
+    assert Project.objects.filter(name="new").exists()
+    with http(api_server, new_keys["runner"]) as client:
+        assert client.get("/rollouts").json()["total"] == 0
+    again = httpx.post(url, json={"name": "new"}, headers={"Authorization": f"Bearer {keys.admin}"})
+    assert again.status_code == 422
+
+
+@pytest.mark.parametrize("path,body,field", [
+    ("/queues/rollouts/enqueue", {"rollouts": [{"input": 1, "mode": "bogus"}]},
+     ["body", "rollouts", 0, "mode"]),
+    ("/queues/rollouts/enqueue", {"rollouts": [{"input": 1, "config": {"max_attempts": 0}}]},
+     ["body", "rollouts", 0, "config", "max_attempts"]),
+    ("/queues/rollouts/enqueue", {"rollouts": "nope"}, ["body", "rollouts"]),
+    ("/queues/rollouts/enqueue", {}, ["body", "rollouts"]),
+    ("/queues/rollouts/dequeue", {"limit": 0}, ["body", "limit"]),
+    ("/rollouts/search", {"sort_order": "sideways"}, ["body", "sort_order"]),
+    ("/rollouts/search", {"sort_by": "nonsense"}, ["body", "sort_by"]),
+    ("/waits/rollouts", {"rollout_ids": "ro-1"}, ["body", "rollout_ids"]),
+    ("/spans/search", {}, ["body", "rollout_id"]),
+    ("/resources", {"x": "not an object"}, ["body", "resources", "x"]),
+])
+def test_bad_input_is_422_naming_the_field(algo, path: str, body, field: list):
+    response = algo.post(path, json=body)
+    assert response.status_code == 422, response.text
+    locations = [item["loc"] for item in response.json()["detail"]]
+    assert field in locations, locations
+
+
+def test_bad_query_parameters_are_422(algo):
+    response = algo.get("/rollouts", params={"limit": "many"})
+    assert response.status_code == 422
+    assert response.json()["detail"][0]["loc"] == ["query", "limit"]
+    assert algo.get("/rollouts", params={"status_in": "weird"}).status_code == 422
+    assert algo.get("/spans").status_code == 422  # rollout_id is required
+
+
+@pytest.mark.parametrize("raw", [b"{bad json", b"[1, 2", b"\xff\xfe", b'{"rollouts": [}'])
+def test_malformed_json_is_400_without_a_traceback(algo, raw: bytes):
+    response = algo.post("/queues/rollouts/enqueue", content=raw,
+                         headers={"Content-Type": "application/json"})
+    assert response.status_code == 400
+    assert "Traceback" not in response.text and "detail" in response.json()
+
+
+def test_json_with_a_nul_character_is_refused_not_500(algo):
+    response = algo.post("/queues/rollouts/enqueue",
+                         json={"rollouts": [{"input": {"text": "a\u0000b"}}]})
+    assert response.status_code == 400
+
+
+def test_unknown_ids_are_404(algo):
+    assert algo.get("/rollouts/ro-000000000000").status_code == 404
+    assert algo.post("/rollouts/ro-000000000000/attempts/at-1",
+                     json={"status": "failed"}).status_code == 404
+    assert algo.get("/resources/rs-000000000000").status_code == 404
+    assert algo.post("/spans/next", json={"rollout_id": "ro-0", "attempt_id": "at-0"}
+                     ).status_code == 404
+
+
+def test_a_body_over_the_limit_is_413(algo):
+    huge = json.dumps({"rollouts": [{"input": "x" * (9 * 1024 * 1024)}]})
+    response = algo.post("/queues/rollouts/enqueue", content=huge,
+                         headers={"Content-Type": "application/json"})
+    assert response.status_code == 413
+
+
+def test_too_many_spans_or_a_huge_attribute_is_refused(algo, runner):
+    rid = _enqueue(algo)[0]["rollout_id"]
+    aid = runner.post("/queues/rollouts/dequeue", json={}).json()[0]["attempt"]["attempt_id"]
+    base = {"rollout_id": rid, "attempt_id": aid, "sequence_id": 1, "trace_id": "a" * 32,
+            "name": "s"}
+    many = [{**base, "span_id": f"{i:016x}"} for i in range(5001)]
+    assert runner.post("/spans/batch", json={"spans": many}).status_code == 413
+    big = {**base, "span_id": "1" * 16, "attributes": {"prompt": "x" * (300 * 1024)}}
+    response = runner.post("/spans", json=big)
+    assert response.status_code == 400
+    assert "prompt" in response.json()["detail"]["attributes"]
+
+
+def test_wrong_content_type_is_415(algo):
+    response = algo.post("/rollouts/search", content=b"limit=1",
+                         headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert response.status_code == 415
