@@ -43,6 +43,7 @@ INSTALLED_APPS = [
     "django_celery_beat",
     "store",
     "runners",
+    "trainer",
 ]
 
 MIDDLEWARE = [
@@ -90,6 +91,20 @@ USE_TZ = True
 STATIC_URL = "static/"
 STATIC_ROOT = Path(env_str("DJANGO_STATIC_ROOT", str(DATA_DIR / "static")))
 MEDIA_ROOT = Path(env_str("DJANGO_MEDIA_ROOT", str(DATA_DIR / "media")))
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
+    # Training checkpoints (trainer.checkpoints); point the backend at object storage (e.g.
+    # django-storages' S3 backend, configured by its own settings) to share them across hosts.
+    "checkpoints": {
+        "BACKEND": env_str(
+            "CHECKPOINT_STORAGE_BACKEND", "django.core.files.storage.FileSystemStorage"
+        ),
+        "OPTIONS": {"location": env_str("CHECKPOINT_DIR", str(MEDIA_ROOT / "checkpoints"))}
+        if env_str("CHECKPOINT_STORAGE_BACKEND") is None
+        else {},
+    },
+}
 
 LOGGING = {
     "version": 1,

@@ -1,0 +1,136 @@
+"""The trainer's services on the real database, with rollouts run in this process."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from examples.cipher import job_spec
+from store import selectors as store_selectors
+from store import services as store_services
+from store.models import ResourceVersion
+from tests.trainer_helpers import capture_sends, drive, queued_count, run_rollouts
+from trainer import services
+from trainer.algorithms import GRPO
+from trainer.models import JobStatus, StepStatus, TrainingJob, TrainingStep
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+class ExplodingGRPO(GRPO):
+    """Fails every update: the bounded-retry test's algorithm."""
+
+    def update(self, **kwargs):
+        raise RuntimeError("boom: the update exploded")
+
+
+def make_job(*, steps: int = 2, algorithm: str = "grpo", **config) -> TrainingJob:
+    spec = job_spec(seed=0, steps=steps)
+    project = store_services.project_create(name="trainer-test")
+    spec["config"].update({"tasks_per_step": 2, "group_size": 4, "val_every": 1, **config})
+    return services.job_create(
+        project=project, agent=spec["agent"], algorithm=algorithm, config=spec["config"],
+        train_dataset=spec["train_dataset"], val_dataset=spec["val_dataset"][:4],
+    )
+
+
+def test_job_start_writes_checkpoint_zero_and_plans_step_zero(monkeypatch):
+    sent = capture_sends(monkeypatch)
+    job = services.job_start(job_id=make_job().pk)
+    assert job.status == JobStatus.RUNNING
+    version = store_selectors.resources_get(project=job.project, resources_id=job.resources_id)
+    assert version.version == 1
+    assert version.resources["checkpoint"]["resource_type"] == "checkpoint"
+    step = job.steps.get()
+    assert (step.n, step.status, step.resources_version) == (0, StepStatus.ROLLING, 1)
+    assert (step.rollout_count, step.val_rollout_count) == (8, 4)
+    assert len(sent.rollouts) == 12
+    assert services.job_start(job_id=job.pk).steps.count() == 1  # starting twice: no-op
+
+
+def test_step_becomes_ready_once_all_its_rollouts_finish(monkeypatch):
+    sent = capture_sends(monkeypatch)
+    job = services.job_start(job_id=make_job().pk)
+    run_rollouts(job)
+    step = job.steps.get()
+    assert step.status == StepStatus.READY
+    assert sent.train_steps == [step.pk]
+    assert services.step_check_ready(step_id=step.pk) is False
+
+
+def test_train_step_writes_the_next_version_and_plans_the_next_step(monkeypatch):
+    sent = capture_sends(monkeypatch)
+    job = services.job_start(job_id=make_job().pk)
+    run_rollouts(job)
+    step_id = sent.train_steps.pop()
+    assert services.step_train(step_id=step_id, worker="w") == "done"
+    step = TrainingStep.objects.get(pk=step_id)
+    assert (step.status, step.produced_version, step.device) == (StepStatus.DONE, 2, "cpu")
+    assert {"train_reward", "val_reward", "loss"} <= set(step.metrics)
+    assert job.steps.get(n=1).resources_version == 2
+    # A redelivered message for a finished step does nothing.
+    assert services.step_train(step_id=step_id, worker="w2") == "skipped"
+    assert ResourceVersion.objects.filter(resource_set_id=job.resources_id).count() == 2
+    assert job.steps.count() == 2
+
+
+def test_a_short_run_learns_to_decode(monkeypatch):
+    sent = capture_sends(monkeypatch)
+    job = make_job(steps=6, tasks_per_step=8, group_size=8, val_every=6)
+    job = drive(services.job_start(job_id=job.pk), sent)
+    assert job.status == JobStatus.SUCCEEDED
+    first, last = job.steps.get(n=0), job.steps.get(n=6)
+    untrained, trained = first.metrics["val_reward"], last.metrics["val_reward"]
+    # Guessing scores 0.1 in expectation; a decoder that learned scores near 1.
+    assert untrained <= 0.3
+    assert trained >= untrained + 0.5, (untrained, trained)
+    assert last.metrics.get("loss") is None  # the final step only evaluates
+    assert job.best_version == last.resources_version
+
+
+def test_a_failing_step_is_retried_a_bounded_number_of_times_then_fails_the_job(monkeypatch):
+    sent = capture_sends(monkeypatch)
+    job = make_job(algorithm="tests.test_trainer_services.ExplodingGRPO", max_step_attempts=2)
+    job = drive(services.job_start(job_id=job.pk), sent)
+    step = job.steps.get(n=0)
+    assert (job.status, step.status, step.attempts) == (JobStatus.FAILED, StepStatus.FAILED, 2)
+    assert "boom: the update exploded" in job.error
+    assert "step 0 failed after 2 tries" in job.error
+
+
+def test_a_step_whose_worker_died_is_sent_again_and_completes_once(monkeypatch):
+    sent = capture_sends(monkeypatch)
+    job = services.job_start(job_id=make_job(step_lease_seconds=30).pk)
+    run_rollouts(job)
+    step_id = sent.train_steps.pop()
+    dead = services.step_claim(step_id=step_id, worker="dead")  # then kill -9
+    assert services.step_train(step_id=step_id, worker="early") == "skipped"  # lease held
+    assert services.steps_sweep().resent == []
+    later = timezone.now() + timedelta(seconds=31)
+    assert services.steps_sweep(now=later).resent == [step_id]
+    assert services.step_claim(step_id=step_id, worker="heir", now=later) is not None
+    step = TrainingStep.objects.get(pk=step_id)
+    assert (step.attempts, step.worker) == (2, "heir")
+    result = services._train(step)
+    assert services._step_finish(step, result) == "done"
+    assert services._step_finish(dead, result) == "lost"  # the dead try cannot finish it
+    assert ResourceVersion.objects.filter(resource_set_id=job.resources_id).count() == 2
+
+
+def test_cancel_then_resume_goes_on_from_the_last_finished_step(monkeypatch):
+    sent = capture_sends(monkeypatch)
+    job = services.job_start(job_id=make_job(steps=3).pk)
+    run_rollouts(job)
+    services.step_train(step_id=sent.train_steps.pop(), worker="w")  # step 0 done
+    services.job_cancel(job_id=job.pk)
+    assert job.steps.get(n=1).status == StepStatus.CANCELLED
+    assert queued_count(job) == 0
+    job = services.job_resume(job_id=job.pk)
+    assert job.status == JobStatus.RUNNING
+    step = job.steps.get(n=1)
+    assert (step.status, step.round, step.resources_version) == (StepStatus.ROLLING, 1, 2)
+    job = drive(job, sent)
+    assert job.status == JobStatus.SUCCEEDED
+    assert job.steps.filter(status=StepStatus.DONE).count() == 4

@@ -1,0 +1,95 @@
+"""The Algorithm interface: what the trainer asks of a training algorithm.
+
+The trainer owns rows, files and delivery; an algorithm owns the maths. For each step the
+trainer calls, in order: `plan` (which rollouts to run against the current checkpoint), then,
+once they are terminal, `update` with the finished rollouts turned into samples by the
+algorithm's adapter, and stores what `update` returns as the next checkpoint and the step's
+metrics. Algorithms are plain objects built from the job's config; they must be deterministic
+given it (seeds are derived from the job's seed and the step index).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from statistics import fmean
+from typing import Any
+
+from trainer.algorithms.adapter import FinishedRollout, Sample, TripletAdapter
+
+
+@dataclass(frozen=True)
+class PlannedRollout:
+    """One rollout a step asks for: its input and mode (`train` or `val`)."""
+
+    input: Any
+    mode: str = "train"
+
+
+@dataclass
+class Update:
+    """What one train step produced: the next checkpoint payload (None: no new version, as
+    for an evaluation-only algorithm) and metrics (numbers, JSON-serializable)."""
+
+    state: dict[str, Any] | None
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def step_seed(seed: int, step: int, index: int = 0) -> int:
+    """A per-(step, index) seed: the same job config always draws the same numbers."""
+    return (seed * 1_000_003 + step * 10_007 + index) % (2**31 - 1)
+
+
+class Algorithm(ABC):
+    """Subclass this to write your own algorithm; see README "Training"."""
+
+    #: True when `update` changes the model (False: evaluation only).
+    trains: bool = True
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = config
+        self.seed = int(config.get("seed", 0))
+        self.adapter = TripletAdapter(
+            agents=frozenset(config["agents"]) if config.get("agents") else None,
+            aggregation=config.get("aggregation", "transition"),
+        )
+
+    @abstractmethod
+    def init_state(self) -> dict[str, Any]:
+        """The payload of checkpoint 0 (e.g. freshly initialized weights)."""
+
+    @abstractmethod
+    def plan(
+        self, *, step: int, final: bool, train_dataset: Sequence[Any], val_dataset: Sequence[Any]
+    ) -> list[PlannedRollout]:
+        """The rollouts of step `step`; `final` is the evaluation after the last update."""
+
+    @abstractmethod
+    def update(
+        self, *, step: int, state: dict[str, Any], samples: list[Sample], device: str
+    ) -> Update:
+        """Train on `samples` starting from checkpoint payload `state`, on `device`."""
+
+    def samples(self, rollouts: Sequence[FinishedRollout]) -> list[Sample]:
+        """Training samples from the step's finished train rollouts (through the adapter)."""
+        return [
+            sample
+            for rollout in rollouts
+            if rollout.mode == "train" and rollout.succeeded
+            for sample in self.adapter.samples(rollout)
+        ]
+
+    def report(self, rollouts: Sequence[FinishedRollout]) -> dict[str, Any]:
+        """Metrics every algorithm shares: rewards of train and validation rollouts."""
+        metrics: dict[str, Any] = {}
+        for mode in ("train", "val"):
+            mine = [r for r in rollouts if r.mode == mode]
+            if not mine:
+                continue
+            rewards = [r.reward for r in mine if r.succeeded and r.reward is not None]
+            metrics[f"{mode}_rollouts"] = len(mine)
+            metrics[f"{mode}_rollouts_failed"] = sum(1 for r in mine if not r.succeeded)
+            if rewards:
+                metrics[f"{mode}_reward"] = fmean(rewards)
+        return metrics

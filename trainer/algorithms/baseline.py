@@ -1,0 +1,31 @@
+"""Evaluation only: every step runs the validation set against the initial checkpoint and
+reports rewards; nothing is trained (the yardstick an algorithm must beat)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from trainer.algorithms.adapter import Sample
+from trainer.algorithms.base import Algorithm, PlannedRollout, Update
+from trainer.algorithms.grpo import build_policy, plan_validation
+
+
+class Baseline(Algorithm):
+    trains = False
+
+    def init_state(self) -> dict[str, Any]:
+        torch.manual_seed(self.seed)
+        return {"model": build_policy(self.config).state_dict()}
+
+    def plan(
+        self, *, step: int, final: bool, train_dataset: Sequence[Any], val_dataset: Sequence[Any]
+    ) -> list[PlannedRollout]:
+        return plan_validation(val_dataset or train_dataset, self.seed, step)
+
+    def update(
+        self, *, step: int, state: dict[str, Any], samples: list[Sample], device: str
+    ) -> Update:
+        return Update(state=None)

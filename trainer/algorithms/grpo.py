@@ -1,0 +1,170 @@
+"""GRPO: group-relative policy optimization for discrete-action policies, in torch.
+
+Each step samples `tasks_per_step` tasks and runs `group_size` rollouts of each against the
+current checkpoint. A rollout's advantage is its reward standardized within its group (same
+task), so no value network is needed; decisions are trained with PPO's clipped objective
+against the log-probabilities the acting policy recorded in its spans.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from collections.abc import Sequence
+from statistics import fmean, pstdev
+from typing import Any
+
+import torch
+from django.utils.module_loading import import_string
+
+from trainer.algorithms.adapter import Sample
+from trainer.algorithms.base import Algorithm, PlannedRollout, Update, step_seed
+
+DEFAULTS: dict[str, Any] = {
+    "policy_kwargs": {},
+    "lr": 0.05,
+    "group_size": 8,
+    "tasks_per_step": 8,
+    "epochs": 4,
+    "clip": 0.2,
+    "entropy_coef": 0.0,
+    "val_every": 5,
+}
+
+
+def build_policy(config: dict[str, Any]) -> torch.nn.Module:
+    """The policy network named by the job's config (`policy`: dotted path of a factory)."""
+    return import_string(config["policy"])(**config.get("policy_kwargs", {}))
+
+
+def plan_validation(val_dataset: Sequence[Any], seed: int, step: int) -> list[PlannedRollout]:
+    return [
+        PlannedRollout(
+            input={"task": task, "group": f"val-{i}", "seed": step_seed(seed, step, 100_000 + i),
+                   "greedy": True},
+            mode="val",
+        )
+        for i, task in enumerate(val_dataset)
+    ]
+
+
+def group_advantages(samples: Sequence[Sample]) -> dict[str, float]:
+    """Rollout id -> reward standardized within its group; groups where every reward is the
+    same carry no signal and are left out."""
+    rewards: dict[Any, dict[str, float]] = defaultdict(dict)
+    for sample in samples:
+        rewards[sample.group][sample.rollout_id] = sample.reward
+    advantages: dict[str, float] = {}
+    for group in rewards.values():
+        values = list(group.values())
+        spread = pstdev(values) if len(values) > 1 else 0.0
+        if spread < 1e-8:
+            continue
+        mean = fmean(values)
+        for rollout_id, reward in group.items():
+            advantages[rollout_id] = (reward - mean) / (spread + 1e-6)
+    return advantages
+
+
+class GRPO(Algorithm):
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__({**DEFAULTS, **config})
+        if not self.config.get("policy"):
+            raise ValueError("GRPO needs config['policy']: the dotted path of a policy factory")
+
+    def init_state(self) -> dict[str, Any]:
+        torch.manual_seed(self.seed)
+        policy = build_policy(self.config)
+        optimizer = torch.optim.Adam(policy.parameters(), lr=float(self.config["lr"]))
+        return {"model": policy.state_dict(), "optimizer": optimizer.state_dict()}
+
+    def plan(
+        self, *, step: int, final: bool, train_dataset: Sequence[Any], val_dataset: Sequence[Any]
+    ) -> list[PlannedRollout]:
+        planned: list[PlannedRollout] = []
+        if not final:
+            rng = random.Random(step_seed(self.seed, step))
+            count = min(int(self.config["tasks_per_step"]), len(train_dataset))
+            for t, index in enumerate(rng.sample(range(len(train_dataset)), count)):
+                for g in range(int(self.config["group_size"])):
+                    seed = step_seed(self.seed, step, t * 1000 + g)
+                    planned.append(PlannedRollout(
+                        input={"task": train_dataset[index], "group": f"train-{index}",
+                               "seed": seed, "greedy": False},
+                    ))
+        if final or step % int(self.config["val_every"]) == 0:
+            planned += plan_validation(val_dataset, self.seed, step)
+        return planned
+
+    def update(
+        self, *, step: int, state: dict[str, Any], samples: list[Sample], device: str
+    ) -> Update:
+        torch.manual_seed(step_seed(self.seed, step))
+        policy = build_policy(self.config).to(device)
+        policy.load_state_dict(state["model"])
+        optimizer = torch.optim.Adam(policy.parameters(), lr=float(self.config["lr"]))
+        optimizer.load_state_dict(state["optimizer"])
+        advantages = group_advantages(samples)
+        batch = _Batch.build([s for s in samples if s.rollout_id in advantages], advantages,
+                             device)
+        metrics: dict[str, Any] = {"samples": len(samples), "trained_samples": batch.size}
+        if batch.size:
+            for _ in range(int(self.config["epochs"])):
+                metrics.update(self._epoch(policy, optimizer, batch))
+        return Update(
+            state={"model": _to_cpu(policy.state_dict()), "optimizer": optimizer.state_dict()},
+            metrics=metrics,
+        )
+
+    def _epoch(self, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               batch: _Batch) -> dict[str, float]:
+        logits = policy(batch.observations)
+        logp_all = torch.log_softmax(logits, dim=-1)
+        logp = logp_all.gather(1, batch.actions.unsqueeze(1)).squeeze(1)
+        # Trajectory samples: the ratio is over the episode (sum of its decisions' log-probs).
+        new = torch.zeros(batch.size, device=logp.device).index_add(0, batch.owner, logp)
+        ratio = torch.exp(new - batch.old_logprobs)
+        clip = float(self.config["clip"])
+        clipped = torch.clamp(ratio, 1 - clip, 1 + clip)
+        policy_loss = -torch.min(ratio * batch.advantages, clipped * batch.advantages).mean()
+        entropy = -(logp_all.exp() * logp_all).sum(-1).mean()
+        loss = policy_loss - float(self.config["entropy_coef"]) * entropy
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return {
+            "loss": float(loss.detach()),
+            "entropy": float(entropy.detach()),
+            "clip_fraction": float(((ratio - 1).abs() > clip).float().mean()),
+        }
+
+
+class _Batch:
+    """Samples as tensors: decisions flattened, each pointing at its sample (`owner`)."""
+
+    def __init__(self, observations, actions, owner, old_logprobs, advantages, size) -> None:
+        self.observations, self.actions, self.owner = observations, actions, owner
+        self.old_logprobs, self.advantages, self.size = old_logprobs, advantages, size
+
+    @classmethod
+    def build(cls, samples: list[Sample], advantages: dict[str, float], device: str) -> _Batch:
+        observations, actions, owner = [], [], []
+        for index, sample in enumerate(samples):
+            observations += sample.observations
+            actions += sample.actions
+            owner += [index] * len(sample.actions)
+        if not samples:
+            return cls(None, None, None, None, None, 0)
+        return cls(
+            torch.tensor(observations, dtype=torch.float32, device=device),
+            torch.tensor(actions, dtype=torch.long, device=device),
+            torch.tensor(owner, dtype=torch.long, device=device),
+            torch.tensor([sum(s.logprobs) for s in samples], dtype=torch.float32, device=device),
+            torch.tensor([advantages[s.rollout_id] for s in samples], dtype=torch.float32,
+                         device=device),
+            len(samples),
+        )
+
+
+def _to_cpu(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().cpu() for name, tensor in state.items()}

@@ -1,0 +1,123 @@
+"""Checkpoint files: written by the trainer, read by agents (through their resources).
+
+A checkpoint is a resource of type ``checkpoint`` in the store's versioned resources::
+
+    {"resource_type": "checkpoint", "storage": "checkpoints", "name": "jobs/1/step-3-ab12.pt",
+     "uri": "checkpoints:jobs/1/step-3-ab12.pt", "sha256": "...", "format": "torch.save",
+     "step": 3, "metrics": {...}}
+
+The file goes through Django's storage API (the ``checkpoints`` entry of ``STORAGES``: the
+filesystem under MEDIA_ROOT by default, object storage by setting). This module imports neither
+the store's nor the trainer's models, so an agent on a runner can load the checkpoint its
+rollout names without any import between ``runners`` and ``trainer``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from django.core.files.base import ContentFile
+from django.core.files.storage import storages
+
+RESOURCE_TYPE = "checkpoint"
+FORMAT = "torch.save"
+STORAGE_ALIAS = "checkpoints"
+_CACHE_SIZE = 8
+
+
+class CheckpointError(Exception):
+    """A checkpoint file is missing or its content does not match its sha256."""
+
+
+def _storage(alias: str):
+    return storages[alias]
+
+
+def checkpoint_save(
+    *, payload: dict[str, Any], name_prefix: str, step: int, metrics: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Serialize `payload` (tensors and plain data), store it under a content-addressed name,
+    and return the checkpoint resource. Saving the same content twice writes one file."""
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    data = buffer.getvalue()
+    sha = hashlib.sha256(data).hexdigest()
+    storage = _storage(STORAGE_ALIAS)
+    name = f"{name_prefix}/step-{step}-{sha[:16]}.pt"
+    if not storage.exists(name):
+        stored = storage.save(name, ContentFile(data))
+        if stored != name:  # a concurrent writer of the same content got there first
+            storage.delete(stored)
+    _cache_put(sha, payload)
+    return {
+        "resource_type": RESOURCE_TYPE,
+        "storage": STORAGE_ALIAS,
+        "name": name,
+        "uri": f"{STORAGE_ALIAS}:{name}",
+        "sha256": sha,
+        "format": FORMAT,
+        "size": len(data),
+        "step": step,
+        "metrics": metrics or {},
+    }
+
+
+def checkpoint_load(resource: dict[str, Any]) -> dict[str, Any]:
+    """The payload of a checkpoint resource, verified against its sha256 and cached by it.
+    Callers must not modify the tensors they get (they are shared through the cache)."""
+    if resource.get("resource_type") != RESOURCE_TYPE:
+        raise CheckpointError(f"not a checkpoint resource: {resource.get('resource_type')!r}")
+    sha = resource["sha256"]
+    cached = _cache_get(sha)
+    if cached is not None:
+        return cached
+    storage = _storage(resource.get("storage", STORAGE_ALIAS))
+    try:
+        with storage.open(resource["name"], "rb") as handle:
+            data = handle.read()
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file {resource['name']!r} is missing") from None
+    if hashlib.sha256(data).hexdigest() != sha:
+        raise CheckpointError(f"checkpoint file {resource['name']!r} does not match its sha256")
+    payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    _cache_put(sha, payload)
+    return payload
+
+
+def checkpoint_delete(resource: dict[str, Any]) -> None:
+    _storage(resource.get("storage", STORAGE_ALIAS)).delete(resource["name"])
+
+
+def find_checkpoint(resources: dict[str, Any]) -> dict[str, Any] | None:
+    """The checkpoint among a rollout's resources (the first of its type)."""
+    for value in resources.values():
+        if isinstance(value, dict) and value.get("resource_type") == RESOURCE_TYPE:
+            return value
+    return None
+
+
+# Runners load the version their rollout names; consecutive rollouts share versions, so a small
+# in-process LRU keyed by content hash saves a read and a deserialization per rollout.
+_cache: OrderedDict[str, dict[str, Any]] = OrderedDict()
+_cache_lock = threading.Lock()
+
+
+def _cache_get(sha: str) -> dict[str, Any] | None:
+    with _cache_lock:
+        payload = _cache.get(sha)
+        if payload is not None:
+            _cache.move_to_end(sha)
+        return payload
+
+
+def _cache_put(sha: str, payload: dict[str, Any]) -> None:
+    with _cache_lock:
+        _cache[sha] = payload
+        _cache.move_to_end(sha)
+        while len(_cache) > _CACHE_SIZE:
+            _cache.popitem(last=False)

@@ -1,0 +1,23 @@
+"""Span conventions shared by agents that record decisions and the trainer that learns from
+them. Dependency-free on purpose: agents import it without pulling in the trainer's models.
+
+A decision span (one per action the agent takes) carries the observation it acted on, the
+action, the log-probability the acting policy gave it, and which agent took it (for selective
+optimization in multi-agent systems). Rewards use Agent Lightning's annotation convention.
+"""
+
+from __future__ import annotations
+
+DECISION_SPAN = "lightning.decision"
+ATTR_AGENT = "lightning.agent_name"
+ATTR_OBSERVATION = "lightning.observation"  # JSON: a list of floats (the policy's input)
+ATTR_ACTION = "lightning.action"  # int: index of the discrete action taken
+ATTR_LOGPROB = "lightning.logprob"  # float: log pi_old(action | observation)
+ATTR_TURN = "lightning.turn"  # int: position of the decision in its episode
+
+# Agent Lightning 0.3: rewards are spans named "agentlightning.annotation" with attributes
+# "agentlightning.reward.N.name" / "agentlightning.reward.N.value"; older agents sent a span
+# named "agentlightning.reward" with a "reward" attribute.
+REWARD_ANNOTATION_SPAN = "agentlightning.annotation"
+REWARD_LEGACY_SPAN = "agentlightning.reward"
+REWARD_VALUE_ATTR = "agentlightning.reward.{index}.value"

@@ -1,0 +1,133 @@
+"""Training jobs and their steps: every arrow of the training loop is a row change here
+(DESIGN.md "The training loop as data"). Every write goes through trainer.services."""
+
+from __future__ import annotations
+
+from django.db import models
+from django.db.models import Q
+
+from store.models import Project
+
+
+class JobStatus(models.TextChoices):
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+JOB_TERMINAL = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})
+
+
+class StepStatus(models.TextChoices):
+    # rollouts enqueued, runners executing them against `resources_version`
+    ROLLING = "rolling"
+    # every rollout terminal (or the deadline passed): a train-step task has been sent
+    READY = "ready"
+    # a training worker claimed the step and holds it until `lease_until`
+    TRAINING = "training"
+    # produced `produced_version` and planned step n+1
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+STEP_OPEN = (StepStatus.ROLLING, StepStatus.READY, StepStatus.TRAINING)
+
+
+class TrainingJob(models.Model):
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="training_jobs")
+    name = models.CharField(max_length=200, blank=True)
+    agent = models.CharField(max_length=300, help_text="Dotted path of the agent")
+    algorithm = models.CharField(max_length=300, help_text="Built-in name or dotted path")
+    config = models.JSONField(default=dict, blank=True)
+    train_dataset = models.JSONField(default=list, blank=True)
+    val_dataset = models.JSONField(default=list, blank=True)
+    status = models.CharField(max_length=16, choices=JobStatus.choices, default=JobStatus.PENDING)
+    error = models.TextField(blank=True)
+    # The resources id whose versions are this job's checkpoints (version k = checkpoint k-1).
+    resources_id = models.CharField(max_length=40, blank=True)
+    best_version = models.PositiveIntegerField(null=True, blank=True)
+    best_metric = models.FloatField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["project", "-created_at"], name="job_project_created")]
+
+    def __str__(self) -> str:
+        return f"job {self.pk} {self.name}".strip()
+
+    @property
+    def total_steps(self) -> int:
+        return int(self.config.get("steps", 0))
+
+
+class TrainingStep(models.Model):
+    job = models.ForeignKey(TrainingJob, on_delete=models.CASCADE, related_name="steps")
+    n = models.PositiveIntegerField(help_text="Step index, from 0")
+    status = models.CharField(
+        max_length=16, choices=StepStatus.choices, default=StepStatus.ROLLING
+    )
+    # The checkpoint version this step's rollouts ran against, and the one it produced.
+    resources_version = models.PositiveIntegerField()
+    produced_version = models.PositiveIntegerField(null=True, blank=True)
+    # Rollouts carry the idempotency key "job/<job>/step/<n>/<i>" (".../r<round>/<i>" once a
+    # resumed job plans the step again); the counts are what the plan asked for.
+    round = models.PositiveIntegerField(default=0)
+    rollout_count = models.PositiveIntegerField(default=0)
+    val_rollout_count = models.PositiveIntegerField(default=0)
+    # Past this instant the step trains on what finished and cancels the rest.
+    deadline = models.DateTimeField(null=True, blank=True)
+    # Tries of the train-step task (a try that crashed counts too), bounded by max_attempts.
+    attempts = models.PositiveIntegerField(default=0)
+    # A claimed step belongs to its worker until then; after it the sweep sends it again.
+    lease_until = models.DateTimeField(null=True, blank=True)
+    worker = models.CharField(max_length=200, blank=True)
+    device = models.CharField(max_length=32, blank=True)
+    metrics = models.JSONField(default=dict, blank=True)
+    # Instants (ISO strings) of each arrow: planned, ready, train_started, done; and seconds.
+    timings = models.JSONField(default=dict, blank=True)
+    error = models.TextField(blank=True)
+    sent_at = models.DateTimeField(null=True, blank=True, help_text="Last train task sent")
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["job", "n"], name="trainingstep_job_n_uniq"),
+        ]
+        indexes = [
+            # the trainer sweep: open steps (rolling past deadline, ready unsent, lease expired)
+            models.Index(
+                fields=["status", "updated_at"],
+                name="trainingstep_open",
+                condition=Q(status__in=["rolling", "ready", "training"]),
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"job {self.job_id} step {self.n}"
+
+    def rollout_keys(self) -> list[str]:
+        total = self.rollout_count + self.val_rollout_count
+        return [rollout_key(self.job_id, self.n, self.round, i) for i in range(total)]
+
+
+def rollout_key(job_id: int, n: int, round: int, index: int) -> str:
+    """The idempotency key of a step's rollout: a re-sent plan creates nothing new."""
+    middle = f"r{round}/" if round else ""
+    return f"job/{job_id}/step/{n}/{middle}{index}"
+
+
+def parse_rollout_key(key: str | None) -> tuple[int, int] | None:
+    """(job id, step n) of a trainer rollout's idempotency key; None for other rollouts."""
+    parts = (key or "").split("/")
+    if len(parts) < 5 or parts[0] != "job" or parts[2] != "step":
+        return None
+    try:
+        return int(parts[1]), int(parts[3])
+    except ValueError:
+        return None

@@ -1,0 +1,70 @@
+"""Reads of the trainer: a step's finished rollouts with their spans, job overviews."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from django.db.models import Count, F
+
+from store.models import ResourceVersion, Rollout, Span
+from store.statemachine import ROLLOUT_TERMINAL
+from trainer.algorithms import FinishedRollout
+from trainer.models import TrainingJob, TrainingStep
+
+
+def step_rollouts(*, step: TrainingStep) -> Any:
+    """The step's rollouts (all statuses), as a queryset served by the idempotency-key index."""
+    return Rollout.objects.filter(
+        project_id=step.job.project_id, idempotency_key__in=step.rollout_keys()
+    )
+
+
+def step_open_rollout_ids(*, step: TrainingStep) -> list[str]:
+    return list(
+        step_rollouts(step=step).exclude(status__in=ROLLOUT_TERMINAL).values_list("pk", flat=True)
+    )
+
+
+def step_finished_rollouts(*, step: TrainingStep) -> list[FinishedRollout]:
+    """Terminal rollouts of the step with the spans of their latest attempt, in plan order."""
+    rollouts = list(
+        step_rollouts(step=step).filter(status__in=ROLLOUT_TERMINAL)
+        .values("pk", "mode", "status", "input", "idempotency_key")
+    )
+    spans: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    rows = Span.objects.filter(
+        rollout_id__in=[r["pk"] for r in rollouts], attempt_id=F("rollout__latest_attempt_id")
+    ).values("rollout_id", "name", "attributes", "sequence_id")
+    for row in rows.iterator():
+        spans[row["rollout_id"]].append(row)
+    order = {key: i for i, key in enumerate(step.rollout_keys())}
+    rollouts.sort(key=lambda r: order[r["idempotency_key"]])
+    return [
+        FinishedRollout(rollout_id=r["pk"], mode=r["mode"] or "train", status=r["status"],
+                        input=r["input"], spans=spans[r["pk"]])
+        for r in rollouts
+    ]
+
+
+def step_rollout_counts(*, step: TrainingStep) -> dict[str, int]:
+    return dict(step_rollouts(step=step).values_list("status").annotate(n=Count("pk")))
+
+
+def job_rollout_counts(*, job: TrainingJob) -> dict[str, int]:
+    return dict(
+        Rollout.objects.filter(project_id=job.project_id,
+                               idempotency_key__startswith=f"job/{job.pk}/")
+        .values_list("status").annotate(n=Count("pk"))
+    )
+
+
+def job_checkpoints(*, job: TrainingJob) -> list[ResourceVersion]:
+    if not job.resources_id:
+        return []
+    return list(ResourceVersion.objects.filter(resource_set_id=job.resources_id)
+                .order_by("version"))
+
+
+def job_last_done_step(*, job: TrainingJob) -> TrainingStep | None:
+    return job.steps.filter(status="done").order_by("-n").first()

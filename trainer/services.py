@@ -1,0 +1,499 @@
+"""Every write of the trainer: keyword-only, typed, one short transaction each, status changes
+by compare-and-swap. Files and torch work happen outside transactions.
+
+The loop (DESIGN.md "The training loop as data"): `job_start` writes checkpoint 0 and plans
+step 0; rollouts finish (store hook -> `step_check_ready`); the train-step task runs
+`step_train`: claim, learn, then `_step_finish` writes checkpoint k+1 and plans step n+1 in one
+transaction. The final step (n == steps) only evaluates. `steps_sweep` re-sends what a dead
+process left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+import torch
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from store import selectors as store_selectors
+from store import services as store_services
+from store.errors import IllegalTransition, InvalidInput
+from store.models import Project, Rollout
+from store.services import RolloutSpec
+from store.statemachine import ROLLOUT_TERMINAL, RolloutConfig, RolloutStatus
+from trainer import checkpoints, delivery, selectors
+from trainer.algorithms import Algorithm, algorithm_load
+from trainer.models import (
+    STEP_OPEN,
+    JobStatus,
+    StepStatus,
+    TrainingJob,
+    TrainingStep,
+    rollout_key,
+)
+
+# Defaults of a job's config; the config given to job_create overrides them.
+JOB_DEFAULTS: dict[str, Any] = {
+    "steps": 10,
+    "seed": 0,
+    # tries of one train step (a worker killed mid-step counts) before the job fails
+    "max_step_attempts": 3,
+    # a claimed step is its worker's until then; longer than the slowest train step
+    "step_lease_seconds": 120,
+    # past this, a step trains on what finished and cancels the rest
+    "step_timeout_seconds": 600,
+    # a ready step whose task did not start by then is sent again
+    "resend_seconds": 30,
+    "keep_last": 10,
+    # the store's RolloutConfig of the job's rollouts: a killed runner's rollout is retried
+    "rollout_config": {"timeout_seconds": 300, "unresponsive_seconds": 60, "max_attempts": 3,
+                       "retry_condition": ["timeout", "unresponsive"]},
+}
+
+
+class JobError(Exception):
+    pass
+
+
+def _now() -> datetime:
+    return timezone.now()
+
+
+def _iso(moment: datetime) -> str:
+    return moment.isoformat()
+
+
+def job_config(job: TrainingJob) -> dict[str, Any]:
+    return {**JOB_DEFAULTS, **job.config}
+
+
+def job_create(
+    *, project: Project, agent: str, algorithm: str, config: dict[str, Any],
+    train_dataset: list[Any], val_dataset: list[Any] | None = None, name: str = "",
+) -> TrainingJob:
+    """A pending job; `job_start` starts it. The algorithm is built once to check the config."""
+    merged = {**JOB_DEFAULTS, **config}
+    if not isinstance(merged["steps"], int) or merged["steps"] < 1:
+        raise InvalidInput("config.steps", "must be an integer >= 1")
+    RolloutConfig.parse(merged["rollout_config"])
+    try:
+        algorithm_load(algorithm, merged)
+    except (ImportError, ValueError, KeyError) as exc:
+        raise InvalidInput("algorithm", str(exc)) from None
+    if not agent or "." not in agent:
+        raise InvalidInput("agent", "must be a dotted path")
+    return TrainingJob.objects.create(
+        project=project, name=name, agent=agent, algorithm=algorithm, config=merged,
+        train_dataset=list(train_dataset), val_dataset=list(val_dataset or []),
+    )
+
+
+def job_start(*, job_id: int) -> TrainingJob:
+    """pending -> running: write checkpoint 0 as resources version 1 and plan step 0.
+    Starting a job that already started does nothing."""
+    job = TrainingJob.objects.get(pk=job_id)
+    if job.status != JobStatus.PENDING:
+        return job
+    algorithm = algorithm_load(job.algorithm, job_config(job))
+    # The file is written before the transaction (no file work inside one); a start that
+    # loses the race below leaves a content-addressed file the winner also wrote.
+    resource = checkpoints.checkpoint_save(
+        payload=algorithm.init_state(), name_prefix=f"jobs/{job.pk}", step=0
+    )
+    now = _now()
+    with transaction.atomic():
+        if not TrainingJob.objects.filter(pk=job.pk, status=JobStatus.PENDING).update(
+            status=JobStatus.RUNNING, started_at=now
+        ):
+            return TrainingJob.objects.get(pk=job.pk)
+        job.refresh_from_db()
+        version = store_services.resources_add(
+            project=job.project, resources={"checkpoint": resource}
+        )
+        job.resources_id = version.resource_set_id
+        job.save(update_fields=["resources_id"])
+        _step_plan(job, algorithm, n=0, resources_version=version.version)
+    return job
+
+
+def _step_plan(job: TrainingJob, algorithm: Algorithm, *, n: int, resources_version: int,
+               round: int = 0) -> TrainingStep:
+    """Create step n (inside the caller's transaction), enqueue its rollouts with idempotency
+    keys, and send them (and the train task, for an empty plan) after commit."""
+    config = job_config(job)
+    planned = algorithm.plan(step=n, final=n >= config["steps"],
+                             train_dataset=job.train_dataset, val_dataset=job.val_dataset)
+    planned.sort(key=lambda p: p.mode != "train")  # train first, then val: keys follow order
+    now = _now()
+    step, _ = TrainingStep.objects.update_or_create(
+        job=job, n=n,
+        defaults={
+            "status": StepStatus.ROLLING, "round": round, "resources_version": resources_version,
+            "rollout_count": sum(1 for p in planned if p.mode == "train"),
+            "val_rollout_count": sum(1 for p in planned if p.mode != "train"),
+            "deadline": now + timedelta(seconds=config["step_timeout_seconds"]),
+            "attempts": 0, "lease_until": None, "error": "", "produced_version": None,
+            "timings": {"planned": _iso(now)}, "metrics": {},
+        },
+    )
+    specs = [
+        RolloutSpec(
+            input=p.input, mode=p.mode, resources_id=job.resources_id,
+            config=config["rollout_config"], idempotency_key=rollout_key(job.pk, n, round, i),
+            metadata={"trainer.job": job.pk, "trainer.step": n},
+        )
+        for i, p in enumerate(planned)
+    ]
+    rollouts = store_services.rollout_enqueue_many(project=job.project, specs=specs)
+    # Delivered by Celery messages: the store records it, so the reconciliation sweep sends
+    # again any message lost on the way.
+    marked = store_services.rollout_dispatch_set(
+        project=job.project, rollout_ids=[r.pk for r in rollouts],
+        dispatch=delivery.CELERY_DISPATCH, target=job.agent,
+    )
+    ids = [d.rollout_id for d in marked]
+    transaction.on_commit(lambda: delivery.send_rollouts(job.project_id, ids))
+    if not specs:
+        step_check_ready(step_id=step.pk)
+    return step
+
+
+def step_check_ready(*, step_id: int, now: datetime | None = None) -> bool:
+    """rolling -> ready when every rollout of the step is terminal, or when its deadline
+    passed (the rest are cancelled). Sends the train task after commit. True if it moved."""
+    now = now or _now()
+    step = TrainingStep.objects.select_related("job").get(pk=step_id)
+    if step.status != StepStatus.ROLLING or step.job.status != JobStatus.RUNNING:
+        return False
+    open_ids = selectors.step_open_rollout_ids(step=step)
+    overdue = step.deadline is not None and step.deadline <= now
+    if open_ids and not overdue:
+        return False
+    timings = {**step.timings, "ready": _iso(now)}
+    with transaction.atomic():
+        moved = TrainingStep.objects.filter(pk=step.pk, status=StepStatus.ROLLING).update(
+            status=StepStatus.READY, sent_at=now, timings=timings
+        )
+        if moved:
+            transaction.on_commit(lambda: delivery.send_train_step(step.pk))
+    if moved and open_ids:
+        _cancel_rollouts(step.job.project, open_ids)
+    return bool(moved)
+
+
+def _cancel_rollouts(project: Project, rollout_ids: list[str]) -> None:
+    for rollout_id in rollout_ids:
+        try:
+            store_services.rollout_update(project=project, rollout_id=rollout_id,
+                                          status=RolloutStatus.CANCELLED)
+        except IllegalTransition:
+            pass  # it finished in the meantime: terminal rollouts stay terminal
+
+
+def step_claim(*, step_id: int, worker: str, now: datetime | None = None) -> TrainingStep | None:
+    """ready (or training with an expired lease: its worker died) -> training, counting the
+    try. None when the step is not claimable: done, held by a live worker, or its job is not
+    running (a redelivered message then does nothing). A step tried too often fails its job."""
+    now = now or _now()
+    step = TrainingStep.objects.select_related("job").get(pk=step_id)
+    claimable = Q(status=StepStatus.READY) | Q(status=StepStatus.TRAINING, lease_until__lt=now)
+    config = job_config(step.job)
+    if step.attempts >= config["max_step_attempts"]:
+        if TrainingStep.objects.filter(claimable, pk=step.pk).exists():
+            _step_give_up(step, step.error or "the training worker was lost on every try")
+        return None
+    timings = {**step.timings, "train_started": _iso(now)}
+    moved = TrainingStep.objects.filter(claimable, pk=step.pk, attempts=step.attempts,
+                                        job__status=JobStatus.RUNNING).update(
+        status=StepStatus.TRAINING, attempts=step.attempts + 1, worker=worker,
+        lease_until=now + timedelta(seconds=config["step_lease_seconds"]), timings=timings,
+    )
+    if not moved:
+        return None
+    step.refresh_from_db()
+    return step
+
+
+@dataclass
+class TrainResult:
+    checkpoint: dict[str, Any] | None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    device: str = "cpu"
+    seconds: float = 0.0
+
+
+def train_device() -> str:
+    """CUDA when this worker has it, else the CPU; recorded on the step."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def step_train(*, step_id: int, worker: str | None = None) -> str:
+    """The train-step task's body: claim, learn, write the next checkpoint, plan the next step.
+    Returns what happened: done, skipped (nothing to do), retry, failed or lost."""
+    worker = worker or f"{socket.gethostname()}:{os.getpid()}"
+    step = step_claim(step_id=step_id, worker=worker)
+    if step is None:
+        return "skipped"
+    try:
+        result = _train(step)
+    except Exception:
+        return step_record_failure(step_id=step.pk, attempt=step.attempts,
+                                   error=traceback.format_exc(limit=8))
+    return _step_finish(step, result)
+
+
+def _train(step: TrainingStep) -> TrainResult:
+    started = time.perf_counter()
+    job = step.job
+    config = job_config(job)
+    algorithm = algorithm_load(job.algorithm, config)
+    rollouts = selectors.step_finished_rollouts(step=step)
+    metrics = algorithm.report(rollouts)
+    device = train_device()
+    resource = None
+    if algorithm.trains and step.n < config["steps"]:
+        version = store_selectors.resources_get(
+            project=job.project, resources_id=job.resources_id, version=step.resources_version
+        )
+        state = checkpoints.checkpoint_load(checkpoints.find_checkpoint(version.resources))
+        update = algorithm.update(step=step.n, state=state,
+                                  samples=algorithm.samples(rollouts), device=device)
+        metrics.update(update.metrics)
+        if update.state is not None:
+            resource = checkpoints.checkpoint_save(
+                payload=update.state, name_prefix=f"jobs/{job.pk}", step=step.n + 1,
+                metrics=metrics,
+            )
+    return TrainResult(resource, metrics, device, time.perf_counter() - started)
+
+
+def _step_finish(step: TrainingStep, result: TrainResult) -> str:
+    """training -> done in one transaction with the new resources version and step n+1's
+    plan; a try that lost its lease to another one changes nothing ("lost")."""
+    now = _now()
+    timings = {**step.timings, "done": _iso(now), "train_seconds": round(result.seconds, 4)}
+    with transaction.atomic():
+        job = TrainingJob.objects.select_for_update().get(pk=step.job_id)
+        if not TrainingStep.objects.filter(
+            pk=step.pk, status=StepStatus.TRAINING, attempts=step.attempts
+        ).update(status=StepStatus.DONE, metrics=result.metrics, device=result.device,
+                 timings=timings, lease_until=None, error=""):
+            return "lost"
+        produced = step.resources_version
+        if result.checkpoint is not None:
+            produced = store_services.resources_update(
+                project=job.project, resources_id=job.resources_id,
+                resources={"checkpoint": result.checkpoint},
+            ).version
+        TrainingStep.objects.filter(pk=step.pk).update(produced_version=produced)
+        _track_best(job, step, result.metrics)
+        if job.status == JobStatus.RUNNING:
+            _advance(job, step, produced, now)
+    transaction.on_commit(lambda: _retain(job))
+    return "done"
+
+
+def _advance(job: TrainingJob, step: TrainingStep, produced: int, now: datetime) -> None:
+    if step.n >= job_config(job)["steps"]:
+        TrainingJob.objects.filter(pk=job.pk, status=JobStatus.RUNNING).update(
+            status=JobStatus.SUCCEEDED, finished_at=now
+        )
+        return
+    algorithm = algorithm_load(job.algorithm, job_config(job))
+    _step_plan(job, algorithm, n=step.n + 1, resources_version=produced)
+
+
+def _track_best(job: TrainingJob, step: TrainingStep, metrics: dict[str, Any]) -> None:
+    """Keep the best checkpoint out of retention's reach. Rewards of step n measure the
+    version its rollouts ran against; validation reward wins over training reward."""
+    score = metrics.get("val_reward")
+    if score is None:
+        return
+    if job.best_metric is not None and score <= job.best_metric:
+        return
+    if job.best_version is not None:
+        store_services.resources_set_keep(project=job.project, resources_id=job.resources_id,
+                                          version=job.best_version, keep=False)
+    store_services.resources_set_keep(project=job.project, resources_id=job.resources_id,
+                                      version=step.resources_version)
+    job.best_version, job.best_metric = step.resources_version, score
+    job.save(update_fields=["best_version", "best_metric"])
+
+
+def _retain(job: TrainingJob) -> None:
+    store_services.resources_retain(keep_last=job_config(job)["keep_last"],
+                                    project=job.project, resources_id=job.resources_id)
+
+
+def step_record_failure(*, step_id: int, attempt: int, error: str) -> str:
+    """A try that raised: back to ready and sent again while tries are left ("retry"), else
+    the step and its job fail with the error ("failed")."""
+    step = TrainingStep.objects.select_related("job").get(pk=step_id)
+    if attempt < job_config(step.job)["max_step_attempts"]:
+        now = _now()
+        with transaction.atomic():
+            moved = TrainingStep.objects.filter(
+                pk=step.pk, status=StepStatus.TRAINING, attempts=attempt
+            ).update(status=StepStatus.READY, error=error, lease_until=None, sent_at=now)
+            if moved:
+                transaction.on_commit(lambda: delivery.send_train_step(step.pk))
+        return "retry" if moved else "lost"
+    step.refresh_from_db()
+    if step.status != StepStatus.TRAINING or step.attempts != attempt:
+        return "lost"
+    _step_give_up(step, error)
+    return "failed"
+
+
+def _step_give_up(step: TrainingStep, error: str) -> None:
+    now = _now()
+    message = f"step {step.n} failed after {step.attempts} tries:\n{error}"
+    with transaction.atomic():
+        TrainingStep.objects.filter(pk=step.pk, status__in=STEP_OPEN).update(
+            status=StepStatus.FAILED, error=error, lease_until=None
+        )
+        TrainingJob.objects.filter(pk=step.job_id, status=JobStatus.RUNNING).update(
+            status=JobStatus.FAILED, error=message, finished_at=now
+        )
+
+
+def job_cancel(*, job_id: int) -> TrainingJob:
+    """pending/running -> cancelled; open steps are cancelled and the job's unfinished
+    rollouts too (runners learn it on their next report)."""
+    now = _now()
+    with transaction.atomic():
+        TrainingJob.objects.filter(
+            pk=job_id, status__in=[JobStatus.PENDING, JobStatus.RUNNING]
+        ).update(status=JobStatus.CANCELLED, finished_at=now)
+        TrainingStep.objects.filter(job_id=job_id, status__in=STEP_OPEN).update(
+            status=StepStatus.CANCELLED, lease_until=None
+        )
+    job = TrainingJob.objects.get(pk=job_id)
+    open_ids = list(
+        _job_rollouts(job).exclude(status__in=ROLLOUT_TERMINAL).values_list("pk", flat=True)
+    )
+    _cancel_rollouts(job.project, open_ids)
+    return job
+
+
+def job_resume(*, job_id: int, reclaim: bool = False) -> TrainingJob:
+    """Go on from the last finished step. A failed or cancelled job runs again: its
+    unfinished step trains again on its rollouts when they all finished, else runs them anew.
+    A running job whose processes were stopped gets its messages sent again; with `reclaim`
+    (only when no training worker is alive) a step held by a dead worker is taken back now
+    instead of when its lease runs out. A pending job starts."""
+    job = TrainingJob.objects.get(pk=job_id)
+    if job.status == JobStatus.PENDING:
+        return job_start(job_id=job.pk)
+    if job.status == JobStatus.SUCCEEDED:
+        return job
+    if job.status in (JobStatus.FAILED, JobStatus.CANCELLED):
+        _reopen(job)
+    if reclaim:
+        TrainingStep.objects.filter(job=job, status=StepStatus.TRAINING).update(
+            lease_until=_now() - timedelta(seconds=1)
+        )
+        _release_live_attempts(job)
+    _resend_queued_rollouts(job)
+    steps_sweep(job_id=job.pk, force=True)
+    return TrainingJob.objects.get(pk=job.pk)
+
+
+def _job_rollouts(job: TrainingJob):
+    return Rollout.objects.filter(project_id=job.project_id,
+                                  idempotency_key__startswith=f"job/{job.pk}/")
+
+
+def _release_live_attempts(job: TrainingJob) -> None:
+    """Attempts of the job still marked live belong to runners that are gone (the caller says
+    so): mark them unresponsive, as the watchdog would later, so their rollouts retry now."""
+    live = _job_rollouts(job).filter(status__in=[RolloutStatus.PREPARING, RolloutStatus.RUNNING])
+    for rollout_id, attempt in live.values_list("pk", "latest_attempt__attempt_id"):
+        try:
+            store_services.attempt_update(project=job.project, rollout_id=rollout_id,
+                                          attempt_id=attempt, status="unresponsive")
+        except IllegalTransition:
+            pass  # it reported in the meantime
+
+
+def _resend_queued_rollouts(job: TrainingJob) -> None:
+    """Messages of queued rollouts die with an embedded broker: send them again (the rollout
+    task claims by compare-and-swap, so a message that did survive runs once anyway)."""
+    queued = list(_job_rollouts(job).filter(
+        status__in=[RolloutStatus.QUEUING, RolloutStatus.REQUEUING]
+    ).values_list("pk", flat=True))
+    if queued:
+        delivery.send_rollouts(job.project_id, queued)
+
+
+def _reopen(job: TrainingJob) -> None:
+    step = job.steps.order_by("-n").first()
+    with transaction.atomic():
+        if not TrainingJob.objects.filter(pk=job.pk, status=job.status).update(
+            status=JobStatus.RUNNING, error="", finished_at=None
+        ):
+            raise JobError(f"job {job.pk} changed while resuming; try again")
+        job.refresh_from_db()
+        if step is None or step.status == StepStatus.DONE:
+            if step is not None:
+                _advance(job, step, step.produced_version, _now())
+            return
+        counts = selectors.step_rollout_counts(step=step)
+        unfinished = sum(n for s, n in counts.items() if s not in ROLLOUT_TERMINAL)
+        if not unfinished and not counts.get(RolloutStatus.CANCELLED):
+            TrainingStep.objects.filter(pk=step.pk).update(
+                status=StepStatus.READY, attempts=0, error="", sent_at=_now()
+            )
+            transaction.on_commit(lambda: delivery.send_train_step(step.pk))
+            return
+        algorithm = algorithm_load(job.algorithm, job_config(job))
+        _step_plan(job, algorithm, n=step.n, resources_version=step.resources_version,
+                   round=step.round + 1)
+
+
+@dataclass
+class SweepReport:
+    checked: list[int] = field(default_factory=list)  # rolling steps looked at
+    ready: list[int] = field(default_factory=list)  # rolling steps moved to ready
+    resent: list[int] = field(default_factory=list)  # train tasks sent again
+
+
+def steps_sweep(*, now: datetime | None = None, limit: int = 100, job_id: int | None = None,
+                force: bool = False) -> SweepReport:
+    """The trainer's part of the periodic sweep: rolling steps whose rollouts all finished (a
+    missed hook) or whose deadline passed become ready; ready steps whose task never started
+    and steps whose training worker died (lease expired) are sent again. Bounded per call;
+    `force` re-sends without waiting `resend_seconds` (used when resuming)."""
+    now = now or _now()
+    report = SweepReport()
+    # Served by the partial index trainingstep_open.
+    steps = TrainingStep.objects.filter(status__in=STEP_OPEN, job__status=JobStatus.RUNNING)
+    if job_id is not None:
+        steps = steps.filter(job_id=job_id)
+    for step in steps.select_related("job").order_by("updated_at")[:limit]:
+        if step.status == StepStatus.ROLLING:
+            report.checked.append(step.pk)
+            if step_check_ready(step_id=step.pk, now=now):
+                report.ready.append(step.pk)
+        elif _resend_due(step, now, force):
+            report.resent.append(step.pk)
+    return report
+
+
+def _resend_due(step: TrainingStep, now: datetime, force: bool) -> bool:
+    wait = timedelta(seconds=0 if force else job_config(step.job)["resend_seconds"])
+    due = Q(status=StepStatus.READY) | Q(status=StepStatus.TRAINING, lease_until__lt=now)
+    sent_before = Q(sent_at__isnull=True) | Q(sent_at__lte=now - wait)
+    moved = TrainingStep.objects.filter(due, sent_before, pk=step.pk).update(sent_at=now)
+    if moved:
+        delivery.send_train_step(step.pk)
+    return bool(moved)
+
