@@ -139,6 +139,10 @@ class UpdateRolloutIn(serializers.Serializer):
     metadata = ObjectField(required=False, allow_null=True)
 
 
+class ClaimRolloutIn(serializers.Serializer):
+    worker_id = serializers.CharField(required=False, allow_null=True, max_length=WORKER_ID_MAX)
+
+
 class StartAttemptIn(serializers.Serializer):
     worker_id = serializers.CharField(required=False, allow_null=True, max_length=WORKER_ID_MAX)
 
@@ -374,6 +378,9 @@ class RolloutOut(serializers.Serializer):
     status = serializers.ChoiceField(choices=RolloutStatus.values)
     config = RolloutConfigOut()
     metadata = ObjectField(allow_null=True)
+    resources_version = serializers.IntegerField(
+        allow_null=True, help_text="Extension: the version of resources_id pinned at enqueue."
+    )
 
     def to_representation(self, r: Rollout) -> dict[str, Any]:
         return {
@@ -386,6 +393,7 @@ class RolloutOut(serializers.Serializer):
             "status": r.status,
             "config": r.config,
             "metadata": r.metadata or {},
+            "resources_version": r.resources_version,
         }
 
 

@@ -51,6 +51,7 @@ agl = [
     path("rollouts", RolloutsEndpoint.as_view()),
     path("rollouts/search", v.SearchRolloutsView.as_view()),
     path("rollouts/<str:rollout_id>", RolloutEndpoint.as_view()),
+    path("rollouts/<str:rollout_id>/claim", v.ClaimRolloutView.as_view()),
     path("rollouts/<str:rollout_id>/attempts", AttemptsEndpoint.as_view()),
     path("rollouts/<str:rollout_id>/attempts/search", v.SearchAttemptsView.as_view()),
     path("rollouts/<str:rollout_id>/attempts/<str:attempt_id>", AttemptEndpoint.as_view()),

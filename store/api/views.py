@@ -100,6 +100,19 @@ class DequeueRolloutsView(StoreView):
         return respond(s.AttemptedRolloutOut, rollouts, many=True)
 
 
+class ClaimRolloutView(StoreView):
+    """Extension: claim one named rollout if it is still queued (`null` when it is not)."""
+
+    @extend_schema(request=s.ClaimRolloutIn, responses={200: s.AttemptedRolloutOut},
+                   operation_id="claim_rollout")
+    def post(self, request: Request, rollout_id: str) -> Response:
+        data = self.body(s.ClaimRolloutIn)
+        claimed = services.rollout_claim(
+            project=self.project, rollout_id=rollout_id, worker_id=data.get("worker_id")
+        )
+        return respond(s.AttemptedRolloutOut, s.attempted(*claimed) if claimed else None)
+
+
 class StartRolloutView(StoreView):
     post_roles = ALGORITHM_ROLES
 

@@ -24,7 +24,7 @@ from django.conf import settings
 from store import services
 from store.models import Project
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PORTS = range(18000, 18100)
 
 

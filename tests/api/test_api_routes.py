@@ -227,3 +227,12 @@ def test_update_attempt_and_span_post_tell_the_runner_about_cancellation(algo, r
     late = runner.post(f"/rollouts/{rid}/attempts/{aid}", json={"status": "succeeded"})
     assert late.status_code == 200
     assert algo.get(f"/rollouts/{rid}").json()["status"] == "cancelled"  # terminal stays
+
+
+def test_claim_rollout_takes_a_named_queued_rollout_once(algo, runner):
+    rid = _enqueue(algo, 2)[1]["rollout_id"]
+    claimed = runner.post(f"/rollouts/{rid}/claim", json={"worker_id": "w"}).json()
+    assert claimed["rollout_id"] == rid and claimed["attempt"]["sequence_id"] == 1
+    assert claimed["resources_version"] is None
+    again = runner.post(f"/rollouts/{rid}/claim", json={"worker_id": "w"})
+    assert again.status_code == 200 and again.json() is None

@@ -1,0 +1,77 @@
+"""The StoreGateway over HTTP (runners/gateway.py): the remote runner's view of the store,
+for machines with no database access. Behaves as `runners.local_gateway.LocalGateway` does."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from runners.client import ApiError, StoreClient
+from runners.gateway import Claim
+
+log = logging.getLogger(__name__)
+
+CONFLICT = 409
+
+
+def claim_from_json(data: dict[str, Any]) -> Claim:
+    """A Claim from an AGL AttemptedRollout dict."""
+    return Claim(
+        rollout_id=data["rollout_id"],
+        attempt_id=data["attempt"]["attempt_id"],
+        input=data.get("input"),
+        mode=data.get("mode"),
+        resources_id=data.get("resources_id"),
+        resources_version=data.get("resources_version"),
+        config=dict(data.get("config") or {}),
+        metadata=dict(data.get("metadata") or {}),
+    )
+
+
+class HttpGateway:
+    def __init__(self, client: StoreClient, *, wait_seconds: float = 0.0) -> None:
+        self.client = client
+        # Long-poll of claim(): an idle runner waits on the server instead of polling.
+        self.wait_seconds = wait_seconds
+
+    def claim(self, *, worker_id: str, limit: int = 1) -> list[Claim]:
+        claimed = self.client.dequeue(worker_id=worker_id, limit=limit,
+                                      wait_seconds=self.wait_seconds)
+        return [claim_from_json(item) for item in claimed]
+
+    def claim_rollout(self, *, rollout_id: str, worker_id: str) -> Claim | None:
+        claimed = self.client.claim(rollout_id, worker_id=worker_id)
+        return claim_from_json(claimed) if claimed else None
+
+    def resources(self, *, resources_id: str, version: int | None) -> dict[str, Any]:
+        return self.client.get_resources(resources_id, version)["resources"]
+
+    def add_spans(self, *, spans: list[dict[str, Any]]) -> set[str]:
+        return self.client.add_spans(spans)
+
+    def heartbeat(self, *, rollout_id: str, attempt_id: str, worker_id: str) -> bool:
+        try:
+            _, cancelled = self.client.update_attempt(
+                rollout_id, attempt_id, status="running", last_heartbeat_time=time.time()
+            )
+        except ApiError as exc:
+            if exc.status != CONFLICT:
+                raise
+            log.info("attempt %s/%s ended elsewhere: %s", rollout_id, attempt_id, exc.detail)
+            return True
+        return cancelled
+
+    def finish(
+        self, *, rollout_id: str, attempt_id: str, status: str, error: str | None = None
+    ) -> None:
+        fields: dict[str, Any] = {"status": status}
+        if error is not None:
+            attempt = self.client.get_attempt(rollout_id, attempt_id)
+            fields["metadata"] = {**(attempt.get("metadata") or {}), "error": error}
+        try:
+            self.client.update_attempt(rollout_id, attempt_id, **fields)
+        except ApiError as exc:
+            if exc.status != CONFLICT:
+                raise
+            log.warning("late report for %s/%s ignored: %s", rollout_id, attempt_id, exc.detail)
