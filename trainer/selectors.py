@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
+from urllib.parse import urlencode
 
 from django.db.models import Count, F
+from django.urls import reverse
 
 from store.models import ResourceVersion, Rollout, Span
 from store.statemachine import ROLLOUT_TERMINAL
@@ -68,3 +72,45 @@ def job_checkpoints(*, job: TrainingJob) -> list[ResourceVersion]:
 
 def job_last_done_step(*, job: TrainingJob) -> TrainingStep | None:
     return job.steps.filter(status="done").order_by("-n").first()
+
+
+@dataclass
+class StepRow:
+    step: TrainingStep
+    wait_seconds: float | None
+    rollouts_per_second: float | None
+    admin_rollouts_url: str
+
+
+def _seconds_between(timings: dict[str, Any], start: str, end: str) -> float | None:
+    if start not in timings or end not in timings:
+        return None
+    delta = datetime.fromisoformat(timings[end]) - datetime.fromisoformat(timings[start])
+    return delta.total_seconds()
+
+
+def step_rows(*, job: TrainingJob) -> list[StepRow]:
+    rows = []
+    for step in job.steps.order_by("n"):
+        wait = _seconds_between(step.timings, "planned", "ready")
+        total = step.rollout_count + step.val_rollout_count
+        prefix = f"job/{job.pk}/step/{step.n}/" + (f"r{step.round}/" if step.round else "")
+        url = (reverse("admin:store_rollout_changelist")
+               + "?" + urlencode({"idempotency_key__startswith": prefix}))
+        rows.append(StepRow(step, wait, total / wait if wait else None, url))
+    return rows
+
+
+def job_throughput(*, rows: list[StepRow]) -> dict[str, float | None]:
+    """Overall figures of the finished steps: rollouts/s while waiting, seconds per step
+    spent waiting for rollouts and training."""
+    done = [r for r in rows if r.step.status == "done" and r.wait_seconds is not None]
+    waited = sum(r.wait_seconds for r in done)
+    trained = sum(r.step.timings.get("train_seconds", 0.0) for r in done)
+    rollouts = sum(r.step.rollout_count + r.step.val_rollout_count for r in done)
+    return {
+        "steps": len(done),
+        "rollouts_per_second": rollouts / waited if waited else None,
+        "wait_seconds_per_step": waited / len(done) if done else None,
+        "train_seconds_per_step": trained / len(done) if done else None,
+    }

@@ -497,3 +497,10 @@ def _resend_due(step: TrainingStep, now: datetime, force: bool) -> bool:
         delivery.send_train_step(step.pk)
     return bool(moved)
 
+
+
+def steps_redispatch() -> int:
+    """The reconciler the control sweep runs (lightning_site.control): how many steps it moved
+    to ready or sent again."""
+    report = steps_sweep()
+    return len(report.ready) + len(report.resent)

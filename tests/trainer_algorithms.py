@@ -1,0 +1,21 @@
+"""Algorithms the trainer's Celery tests run in real workers (found by dotted path)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from trainer.algorithms import GRPO
+
+
+class BlockOnceGRPO(GRPO):
+    """The first try of a step's update writes `block_marker` and hangs (the test kills its
+    worker there); later tries train normally."""
+
+    def update(self, **kwargs):
+        marker = Path(self.config["block_marker"])
+        if not marker.exists():
+            marker.write_text(str(os.getpid()))
+            time.sleep(600)
+        return super().update(**kwargs)

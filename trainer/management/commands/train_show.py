@@ -1,0 +1,35 @@
+"""`manage.py train_show JOB [--follow]`: a job's status and steps."""
+
+from __future__ import annotations
+
+from django.core.management.base import BaseCommand
+
+from trainer import progress
+from trainer.management.commands.train import job_or_error
+
+
+class Command(BaseCommand):
+    help = "Show a training job: status, error, and each step's metrics."
+
+    def add_arguments(self, parser) -> None:
+        parser.add_argument("job", type=int)
+        parser.add_argument("--follow", action="store_true", help="follow until it ends")
+
+    def handle(self, *args, **opts) -> None:
+        job = job_or_error(opts["job"])
+        if opts["follow"]:
+            progress.follow(job.pk)
+            job.refresh_from_db()
+        self.stdout.write(f"job {job.pk} {job.name} [{job.status}] agent={job.agent} "
+                          f"algorithm={job.algorithm} steps={job.total_steps} "
+                          f"checkpoints={job.resources_id} best=v{job.best_version}")
+        for step in job.steps.order_by("n"):
+            m = step.metrics
+            fields = [f"step {step.n:3d}", f"{step.status:9s}", f"v{step.resources_version}"
+                      f"->v{step.produced_version or '-'}", f"tries={step.attempts}",
+                      f"device={step.device or '-'}"]
+            fields += [f"{k}={m[k]:.4f}" for k in ("train_reward", "val_reward", "loss")
+                       if isinstance(m.get(k), int | float)]
+            self.stdout.write("  ".join(fields))
+        if job.error:
+            self.stdout.write(self.style.ERROR(job.error))
