@@ -1,8 +1,13 @@
 from django.contrib import admin
 from django.urls import include, path
 
+from trainer import urls as trainer_urls
+
 urlpatterns = [
     path("admin/", admin.site.urls),
     # The store API: /v1/agl/* (AGL 0.3), /v1/traces (OTLP), /api/schema/ and /api/docs/.
     path("", include("store.api.urls")),
+    # Training job pages; the runners' worker registry is handed in here (trainer never
+    # imports runners).
+    path("jobs/", include((trainer_urls.build(), "trainer"))),
 ]

@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+from urllib.parse import urlencode
+
+from django.contrib import admin, messages
+from django.urls import reverse
+from django.utils.html import format_html
+
+from trainer import services
+from trainer.models import TrainingJob, TrainingStep
+
+
+class StepInline(admin.TabularInline):
+    model = TrainingStep
+    extra = 0
+    can_delete = False
+    fields = ("n", "status", "resources_version", "produced_version", "attempts", "device",
+              "metrics")
+    readonly_fields = fields
+    ordering = ("n",)
+
+    def has_add_permission(self, request, obj=None) -> bool:
+        return False
+
+
+@admin.register(TrainingJob)
+class TrainingJobAdmin(admin.ModelAdmin):
+    list_display = ("id", "project", "name", "algorithm", "status", "best_metric", "created_at",
+                    "page")
+    list_filter = ("status", "algorithm", "project")
+    search_fields = ("name", "agent")
+    readonly_fields = ("status", "error", "resources_id", "best_version", "best_metric",
+                       "created_at", "started_at", "finished_at", "page")
+    inlines = [StepInline]
+    actions = ["cancel", "resume"]
+
+    @admin.display(description="Job page")
+    def page(self, obj: TrainingJob) -> str:
+        return format_html('<a href="{}">open</a>', reverse("trainer:job_detail", args=[obj.pk]))
+
+    @admin.action(description="Cancel the selected jobs")
+    def cancel(self, request, queryset):
+        for job in queryset:
+            services.job_cancel(job_id=job.pk)
+        self.message_user(request, f"Cancelled {queryset.count()} job(s).", messages.SUCCESS)
+
+    @admin.action(description="Resume the selected jobs from their last finished step")
+    def resume(self, request, queryset):
+        for job in queryset:
+            services.job_resume(job_id=job.pk)
+        self.message_user(request, f"Resumed {queryset.count()} job(s).", messages.SUCCESS)
+
+
+@admin.register(TrainingStep)
+class TrainingStepAdmin(admin.ModelAdmin):
+    list_display = ("id", "job", "n", "status", "resources_version", "produced_version",
+                    "attempts", "device", "worker", "rollouts")
+    list_filter = ("status", "device")
+    readonly_fields = [f.name for f in TrainingStep._meta.fields] + ["rollouts"]
+
+    @admin.display(description="Rollouts")
+    def rollouts(self, obj: TrainingStep) -> str:
+        prefix = f"job/{obj.job_id}/step/{obj.n}/" + (f"r{obj.round}/" if obj.round else "")
+        url = reverse("admin:store_rollout_changelist") + "?" + urlencode(
+            {"idempotency_key__startswith": prefix})
+        return format_html('<a href="{}">{} rollouts</a>', url,
+                           obj.rollout_count + obj.val_rollout_count)
