@@ -225,6 +225,9 @@ def rollouts_wait(
     for all of them; polls with backoff, never spins."""
     deadline = time.monotonic() + min(max(timeout or 0.0, 0.0), MAX_WAIT_SECONDS)
     ids = list(dict.fromkeys(rollout_ids))
+    # Ids this project does not have never finish: waiting for them would only burn the timeout.
+    known = set(Rollout.objects.filter(project=project, pk__in=ids).values_list("pk", flat=True))
+    ids = [rid for rid in ids if rid in known]
     while True:
         done = list(
             Rollout.objects.select_related("latest_attempt")

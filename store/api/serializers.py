@@ -4,6 +4,7 @@ for the schema and build plain dicts directly, because they run on every row of 
 
 from __future__ import annotations
 
+import math
 from datetime import UTC, datetime
 from typing import Any
 
@@ -27,7 +28,27 @@ def from_epoch(value: float | None) -> datetime | None:
     return datetime.fromtimestamp(value, tz=UTC) if value is not None else None
 
 
-class EpochField(serializers.FloatField):
+MAX_SECONDS = 3.2e9  # about a century: beyond it, a deadline would not fit a datetime
+
+
+class FiniteFloatField(serializers.FloatField):
+    """A float that is a real number (no NaN or infinity, which JSON parsers let through)."""
+
+    def to_internal_value(self, data: Any) -> float:
+        value = super().to_internal_value(data)
+        if math.isnan(value) or math.isinf(value):
+            raise serializers.ValidationError("must be a finite number")
+        return value
+
+
+class SecondsField(FiniteFloatField):
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("min_value", 0)
+        kwargs.setdefault("max_value", MAX_SECONDS)
+        super().__init__(**kwargs)
+
+
+class EpochField(FiniteFloatField):
     """Epoch seconds on the wire, an aware datetime inside."""
 
     def to_internal_value(self, data: Any) -> datetime:
@@ -68,8 +89,8 @@ class SpanTooLarge(exceptions.APIException):
 
 
 class RolloutConfigIn(serializers.Serializer):
-    timeout_seconds = serializers.FloatField(required=False, allow_null=True, min_value=0)
-    unresponsive_seconds = serializers.FloatField(required=False, allow_null=True, min_value=0)
+    timeout_seconds = SecondsField(required=False, allow_null=True)
+    unresponsive_seconds = SecondsField(required=False, allow_null=True)
     max_attempts = serializers.IntegerField(required=False, min_value=1, max_value=1000)
     retry_condition = serializers.ListField(
         child=serializers.ChoiceField(choices=AttemptStatus.values), required=False
@@ -103,8 +124,8 @@ class RolloutFieldsIn(serializers.Serializer):
         required=False, allow_null=True, max_length=200,
         help_text="Extension: a retried enqueue with the same key returns the same rollout.",
     )
-    queue_timeout_seconds = serializers.FloatField(
-        required=False, allow_null=True, min_value=0,
+    queue_timeout_seconds = SecondsField(
+        required=False, allow_null=True,
         help_text="Extension: fail the rollout if it waits longer in the queue (0: forever).",
     )
 
@@ -122,8 +143,8 @@ class DequeueIn(serializers.Serializer):
         required=False, default=1, min_value=1, max_value=limits.MAX_ROLLOUTS_PER_REQUEST
     )
     worker_id = serializers.CharField(required=False, allow_null=True, max_length=WORKER_ID_MAX)
-    wait_seconds = serializers.FloatField(
-        required=False, default=0.0, min_value=0, max_value=limits.MAX_DEQUEUE_WAIT_SECONDS,
+    wait_seconds = SecondsField(
+        required=False, default=0.0, max_value=limits.MAX_DEQUEUE_WAIT_SECONDS,
         help_text="Extension: long-poll up to this long while the queue is empty.",
     )
 
@@ -231,8 +252,8 @@ class WaitForRolloutsIn(serializers.Serializer):
     rollout_ids = serializers.ListField(
         child=serializers.CharField(max_length=ID_MAX), max_length=10000
     )
-    timeout = serializers.FloatField(
-        required=False, allow_null=True, min_value=0,
+    timeout = SecondsField(
+        required=False, allow_null=True,
         help_text=f"Seconds to wait on the server; capped at {limits.MAX_WAIT_SECONDS:g}.",
     )
 
