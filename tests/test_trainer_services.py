@@ -134,3 +134,12 @@ def test_cancel_then_resume_goes_on_from_the_last_finished_step(monkeypatch):
     job = drive(job, sent)
     assert job.status == JobStatus.SUCCEEDED
     assert job.steps.filter(status=StepStatus.DONE).count() == 4
+
+
+def test_retention_keeps_the_best_checkpoint_and_the_latest(monkeypatch):
+    sent = capture_sends(monkeypatch)
+    job = drive(services.job_start(job_id=make_job(steps=4, keep_last=1).pk), sent)
+    kept = set(ResourceVersion.objects.filter(resource_set_id=job.resources_id)
+               .values_list("version", flat=True))
+    assert job.best_version in kept
+    assert max(kept) == 5 and len(kept) <= 2
