@@ -4,6 +4,7 @@ queues it serves (`celery worker -Q rollouts`)."""
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Any
 
 
 class Queue(StrEnum):
@@ -13,3 +14,12 @@ class Queue(StrEnum):
     TRAINING = "training"
     # The sweep, reconciliation and housekeeping: small, frequent, must not wait behind rollouts.
     CONTROL = "control"
+
+
+def route_task(name: str, args: Any, kwargs: Any, options: dict, task: Any = None,
+               **kw: Any) -> dict[str, str] | None:
+    """Celery router (CELERY_TASK_ROUTES): a task declares its queue as `lightning_queue`,
+    `@shared_task(name=..., lightning_queue=Queue.ROLLOUTS.value)`. (Celery 5.7 deprecates the
+    `queue` task attribute, and 6.0 will ignore it.)"""
+    queue = getattr(task, "lightning_queue", None)
+    return {"queue": str(queue)} if queue else None

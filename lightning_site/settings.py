@@ -173,6 +173,9 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {
     # task, or a rollout still running is delivered a second time (harmless, but wasted).
     "visibility_timeout": CELERY_TASK_TIME_LIMIT + 600,
 }
+if EMBEDDED_WORKERS:
+    # The in-memory transport is polled: poll often, one process needs no broker round trips.
+    CELERY_BROKER_TRANSPORT_OPTIONS["polling_interval"] = 0.05
 if env_str("CELERY_REDIS_KEY_PREFIX"):
     # Redis only: several deployments (or test sessions) share one Redis without sharing queues.
     CELERY_BROKER_TRANSPORT_OPTIONS["global_keyprefix"] = env_str("CELERY_REDIS_KEY_PREFIX")
@@ -182,6 +185,8 @@ if env_str("CELERY_REDIS_KEY_PREFIX"):
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # Work that names no queue is housekeeping; every task of ours names its queue anyway.
 CELERY_TASK_DEFAULT_QUEUE = "control"
+# Each task declares its queue (`lightning_queue=Queue.X`); this router reads the declaration.
+CELERY_TASK_ROUTES = ("lightning_site.queues.route_task",)
 # Flower shows tasks as they are sent and run.
 CELERY_WORKER_SEND_TASK_EVENTS = env_bool("CELERY_EVENTS", True)
 CELERY_TASK_SEND_SENT_EVENT = CELERY_WORKER_SEND_TASK_EVENTS
@@ -199,3 +204,30 @@ RUNNERS_SPAN_BATCH_SIZE = env_int("RUNNERS_SPAN_BATCH_SIZE", 100, minimum=1)
 RUNNERS_DEFAULT_UNRESPONSIVE_SECONDS = env_float(
     "RUNNERS_DEFAULT_UNRESPONSIVE_SECONDS", 120.0, minimum=0.0
 )
+# A queued rollout whose message was sent this long ago is sent again (its message may be lost;
+# a duplicate only costs a no-op claim). Requeued rollouts (retries) are sent at once.
+RUNNERS_REDISPATCH_SECONDS = env_float("RUNNERS_REDISPATCH_SECONDS", 300.0, minimum=0.0)
+# Rollout tasks run at once by the embedded default's in-process worker (threads).
+EMBEDDED_ROLLOUT_CONCURRENCY = env_int("EMBEDDED_ROLLOUT_CONCURRENCY", 4, minimum=1)
+
+# --- The worker registry and the periodic control work ----------------------------------------
+# Celery workers heartbeat this often; silent for WORKERS_LOST_AFTER_SECONDS, they are "lost".
+WORKERS_HEARTBEAT_SECONDS = env_float("WORKERS_HEARTBEAT_SECONDS", 15.0, minimum=0.1)
+WORKERS_LOST_AFTER_SECONDS = env_float("WORKERS_LOST_AFTER_SECONDS", 60.0, minimum=1.0)
+# The store's watchdog sweep, and reconciliation (re-sends, lost workers), in seconds.
+LIGHTNING_SWEEP_SECONDS = env_int("LIGHTNING_SWEEP_SECONDS", 5, minimum=1)
+LIGHTNING_RECONCILE_SECONDS = env_int("LIGHTNING_RECONCILE_SECONDS", 15, minimum=1)
+# Synced into django-celery-beat's tables by its DatabaseScheduler. Each run expires after one
+# interval: with no control worker up, stale sweeps must not pile up in the queue.
+CELERY_BEAT_SCHEDULE = {
+    "store-watchdog-sweep": {
+        "task": "runners.sweep",
+        "schedule": LIGHTNING_SWEEP_SECONDS,
+        "options": {"queue": "control", "expires": LIGHTNING_SWEEP_SECONDS},
+    },
+    "reconcile": {
+        "task": "runners.reconcile",
+        "schedule": LIGHTNING_RECONCILE_SECONDS,
+        "options": {"queue": "control", "expires": LIGHTNING_RECONCILE_SECONDS},
+    },
+}

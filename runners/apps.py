@@ -2,7 +2,13 @@ from __future__ import annotations
 
 from django.apps import AppConfig
 
+from lightning_site.celery import app as celery_app
+
 
 class RunnersConfig(AppConfig):
     name = "runners"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        # Every worker of this app registers itself (host, queues, CPUs, CUDA) and heartbeats.
+        celery_app.steps["worker"].add("runners.worker_registry:WorkerRegistryStep")

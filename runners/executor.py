@@ -31,8 +31,9 @@ CANCELLED = "cancelled"
 MAX_ERROR_CHARS = 8000
 
 
-class AttemptCancelled(BaseException):  # noqa: N818 - BaseException: `except Exception` in agents must not swallow it
-    """Raised in the agent's thread when its rollout is cancelled."""
+class AttemptCancelled(BaseException):
+    """Raised in the agent's thread when its rollout is cancelled. A BaseException, so that an
+    agent's `except Exception` does not swallow it."""
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """Runner-side services: run one rollout delivered by a message; enqueue rollouts for Celery
-execution (sent after commit); re-send messages the reconciliation sweep finds lost."""
+execution (sent after commit); re-send messages the reconciliation sweep finds lost; the
+worker registry; the periodic control work."""
 
 from __future__ import annotations
 
@@ -7,15 +8,21 @@ import dataclasses
 import logging
 import os
 from collections.abc import Sequence
+from datetime import datetime, timedelta
+from typing import Any
 
 from django.conf import settings
 from django.db import transaction
+from django.utils import timezone
 
+from lightning_site import control
 from lightning_site.celery import app as celery_app
 from lightning_site.queues import Queue
 from runners.executor import ExecutorOptions, Outcome, execute
 from runners.local_gateway import LocalGateway
+from runners.models import CeleryWorker
 from store import services as store_services
+from store import watchdog
 from store.errors import InvalidInput
 from store.models import Project, Rollout
 from store.services import Dispatch, RolloutSpec
@@ -42,7 +49,10 @@ def worker_id_here(hostname: str | None) -> str:
 def rollout_run(*, project_id: int, rollout_id: str, worker_id: str) -> str:
     """Claim a named rollout and run it; a rollout no longer queued (a duplicate message, or
     a runner got there first) is left alone. Returns the outcome's status."""
-    gateway = LocalGateway(project_id)
+    project = Project.objects.filter(pk=project_id).first()
+    if project is None:  # deleted since the message was sent
+        return NOT_QUEUED
+    gateway = LocalGateway(project)
     claim = gateway.claim_rollout(rollout_id=rollout_id, worker_id=worker_id)
     if claim is None:
         return NOT_QUEUED
@@ -106,3 +116,82 @@ def _with_default_unresponsive(spec: RolloutSpec) -> RolloutSpec:
         return spec
     config["unresponsive_seconds"] = default
     return dataclasses.replace(spec, config=config)
+
+
+# --- The worker registry (runners.models.CeleryWorker) -----------------------------------------
+
+
+def celery_worker_register(
+    *, name: str, hostname: str, pid: int, queues: Sequence[str], concurrency: int,
+    hardware: dict[str, Any], now: datetime | None = None,
+) -> CeleryWorker:
+    """A worker starting up (or restarting under the same node name) takes its row over."""
+    now = now or timezone.now()
+    row = CeleryWorker(
+        name=name, hostname=hostname, pid=pid, queues=sorted(queues), concurrency=concurrency,
+        cpu_count=hardware.get("cpu_count", 1), cuda_devices=hardware.get("cuda_devices", []),
+        versions=hardware.get("versions", {}), status=CeleryWorker.Status.ALIVE,
+        started_at=now, last_heartbeat=now, stopped_at=None,
+    )
+    fields = ["hostname", "pid", "queues", "concurrency", "cpu_count", "cuda_devices",
+              "versions", "status", "started_at", "last_heartbeat", "stopped_at"]
+    CeleryWorker.objects.bulk_create([row], update_conflicts=True, unique_fields=["name"],
+                                     update_fields=fields)
+    return CeleryWorker.objects.get(name=name)
+
+
+def celery_worker_heartbeat(*, name: str, pid: int, now: datetime | None = None) -> bool:
+    """The worker is alive (a lost one comes back); False when its row is gone or another
+    process took its name over."""
+    updated = CeleryWorker.objects.filter(name=name, pid=pid).exclude(
+        status=CeleryWorker.Status.STOPPED
+    ).update(status=CeleryWorker.Status.ALIVE, last_heartbeat=now or timezone.now())
+    return bool(updated)
+
+
+def celery_worker_stop(*, name: str, pid: int) -> None:
+    CeleryWorker.objects.filter(name=name, pid=pid).update(
+        status=CeleryWorker.Status.STOPPED, stopped_at=timezone.now()
+    )
+
+
+def celery_workers_mark_lost(
+    *, lost_after_seconds: float, now: datetime | None = None
+) -> list[str]:
+    """Alive workers whose last heartbeat is older than `lost_after_seconds` become lost."""
+    cutoff = (now or timezone.now()) - timedelta(seconds=lost_after_seconds)
+    with transaction.atomic():
+        # Served by the partial index celeryworker_alive.
+        names = list(
+            CeleryWorker.objects.select_for_update(skip_locked=True)
+            .filter(status=CeleryWorker.Status.ALIVE, last_heartbeat__lt=cutoff)
+            .values_list("name", flat=True)
+        )
+        CeleryWorker.objects.filter(name__in=names, status=CeleryWorker.Status.ALIVE).update(
+            status=CeleryWorker.Status.LOST
+        )
+    return names
+
+
+# --- The periodic control work (beat runs it; the embedded default runs it in a thread) ------
+
+
+def control_sweep() -> dict[str, int]:
+    """The store's watchdog: timeouts, unresponsive attempts, queue waits."""
+    result = watchdog.sweep()
+    return {name: len(ids) for name, ids in result.as_dict().items()}
+
+
+def control_reconcile() -> dict[str, int]:
+    """Re-send what lost its message (rollouts here; training steps through the reconcilers
+    other apps register in lightning_site.control), and mark silent workers lost."""
+    counts = {
+        "rollouts_resent": rollouts_redispatch(
+            resend_after_seconds=settings.RUNNERS_REDISPATCH_SECONDS
+        ),
+        "workers_lost": len(
+            celery_workers_mark_lost(lost_after_seconds=settings.WORKERS_LOST_AFTER_SECONDS)
+        ),
+    }
+    counts.update(control.run_reconcilers())
+    return counts

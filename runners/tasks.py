@@ -8,9 +8,19 @@ from lightning_site.queues import Queue
 from runners import services
 
 
-@shared_task(name=services.RUN_ROLLOUT_TASK, queue=Queue.ROLLOUTS.value, bind=True)
+@shared_task(name=services.RUN_ROLLOUT_TASK, lightning_queue=Queue.ROLLOUTS.value, bind=True)
 def run_rollout(self, *, project_id: int, rollout_id: str) -> str:
     return services.rollout_run(
         project_id=project_id, rollout_id=rollout_id,
         worker_id=services.worker_id_here(self.request.hostname),
     )
+
+
+@shared_task(name="runners.sweep", lightning_queue=Queue.CONTROL.value)
+def sweep() -> dict[str, int]:
+    return services.control_sweep()
+
+
+@shared_task(name="runners.reconcile", lightning_queue=Queue.CONTROL.value)
+def reconcile() -> dict[str, int]:
+    return services.control_reconcile()

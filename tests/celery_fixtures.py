@@ -7,9 +7,12 @@
 - `use_broker(url)`: point this process's Celery app at that broker (for sending).
 - `celery_worker_env` (session): the environment a worker subprocess needs to share the test
   database (pytest-django's test DB, passed as DATABASE_URL).
-- `celery_workers` (function): a factory `start(queues=..., broker_url=..., concurrency=...,
-  pool=..., env=...) -> WorkerProcess`; it waits until the worker is ready and kills every
-  worker it started (by its own PIDs and their process groups) when the test ends.
+- `celery_workers` (function): a `CeleryProcesses`; `celery_workers(queues=..., broker_url=...,
+  concurrency=..., pool=..., env=..., include=[modules]) -> WorkerProcess` starts a worker and
+  waits until it is ready; `celery_workers.beat(broker_url=..., env=...)` starts celery beat.
+  Every process it started is stopped when the test ends (SIGTERM, then SIGKILL of its own
+  process group: only processes it started).
+- `wait_until(predicate, timeout=...)`: poll for an outcome (never an assertion on time).
 
 Tests using these need committed data: mark them `@pytest.mark.django_db(transaction=True)`.
 """
@@ -27,12 +30,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import kombu
 import kombu.pools
 import pytest
 import redis
 from django.db import connection
 
 from lightning_site.celery import app as celery_app
+from lightning_site.queues import Queue
 
 ROOT = Path(__file__).resolve().parent.parent
 RABBITMQ_HOST = os.environ.get("TEST_RABBITMQ_HOST", "127.0.0.1:5672")
@@ -108,9 +113,23 @@ def _reset_pools() -> None:
 
 @pytest.fixture
 def sending_to(broker_url: str, redis_key_prefix: str) -> Iterator[str]:
-    """This process sends its Celery messages to the test's broker."""
+    """This process sends its Celery messages to the test's broker, whose queues start empty
+    (an earlier test of the session may have left a message behind)."""
     with use_broker(broker_url, redis_key_prefix):
+        purge_queues()
         yield broker_url
+
+
+def purge_queues() -> int:
+    """Empty our queues on the broker this process sends to; returns how many were dropped."""
+    dropped = 0
+    with celery_app.connection_for_write() as conn:
+        for queue in Queue:
+            bound = kombu.Queue(queue.value, kombu.Exchange(queue.value), routing_key=queue.value)
+            bound = bound(conn.default_channel)
+            bound.declare()
+            dropped += bound.purge() or 0
+    return dropped
 
 
 @pytest.fixture(scope="session")
@@ -168,42 +187,66 @@ class WorkerProcess:
         self.process.wait(timeout=30)
 
 
-@pytest.fixture
-def celery_workers(celery_worker_env: dict, tmp_path: Path) -> Iterator:
-    started: list[WorkerProcess] = []
+class CeleryProcesses:
+    """Starts `celery worker` / `celery beat` subprocesses; `stop_all()` ends every one."""
 
-    def start(*, queues: list[str], broker_url: str, concurrency: int = 2,
-              pool: str = "prefork", env: dict | None = None, name: str | None = None,
-              wait: bool = True) -> WorkerProcess:
-        name = name or f"w{len(started)}-{'-'.join(queues)}"
-        log_path = tmp_path / f"{name}.log"
-        cmd = [
-            sys.executable, "-m", "celery", "-A", "lightning_site", "worker",
-            "-Q", ",".join(queues), "-c", str(concurrency), "-P", pool,
+    def __init__(self, env: dict, logs: Path) -> None:
+        self.env = env
+        self.logs = logs
+        self.started: list[WorkerProcess] = []
+
+    def __call__(self, *, queues: list[str], broker_url: str, concurrency: int = 2,
+                 pool: str = "prefork", env: dict | None = None, name: str | None = None,
+                 include: list[str] | None = None, wait: bool = True) -> WorkerProcess:
+        """A worker serving `queues`; waits until it is ready (unless wait=False)."""
+        name = name or f"w{len(self.started)}-{'-'.join(queues)}"
+        args = [
+            "worker", "-Q", ",".join(queues), "-c", str(concurrency), "-P", pool,
             "-n", f"{name}@%h", "--without-gossip", "--without-mingle", "-l", "INFO",
         ]
-        full_env = {**os.environ, **celery_worker_env, "CELERY_BROKER_URL": broker_url,
-                    **(env or {})}
+        if include:
+            args += ["-I", ",".join(include)]
+        worker = self._start(name, queues, args, broker_url, env)
+        if wait:
+            wait_ready(worker, " ready.")
+        return worker
+
+    def beat(self, *, broker_url: str, env: dict | None = None) -> WorkerProcess:
+        """celery beat with the settings' scheduler (django-celery-beat's DatabaseScheduler)."""
+        beat = self._start(f"beat{len(self.started)}", [], ["beat", "-l", "INFO"], broker_url, env)
+        wait_ready(beat, "beat: Starting...")
+        return beat
+
+    def _start(self, name: str, queues: list[str], args: list[str], broker_url: str,
+               env: dict | None) -> WorkerProcess:
+        log_path = self.logs / f"{name}.log"
+        cmd = [sys.executable, "-m", "celery", "-A", "lightning_site", *args]
+        full_env = {**os.environ, **self.env, "CELERY_BROKER_URL": broker_url, **(env or {})}
         with open(log_path, "wb") as log:
             process = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=log,
                                        stderr=subprocess.STDOUT, start_new_session=True)
         worker = WorkerProcess(name, queues, process, log_path)
-        started.append(worker)
-        if wait:
-            wait_ready(worker)
+        self.started.append(worker)
         return worker
 
-    try:
-        yield start
-    finally:
-        for worker in started:
+    def stop_all(self) -> None:
+        for worker in self.started:
             worker.stop(timeout=10)
 
 
-def wait_ready(worker: WorkerProcess, timeout: float = READY_TIMEOUT) -> None:
+@pytest.fixture
+def celery_workers(celery_worker_env: dict, tmp_path: Path) -> Iterator[CeleryProcesses]:
+    processes = CeleryProcesses(celery_worker_env, tmp_path)
+    try:
+        yield processes
+    finally:
+        processes.stop_all()
+
+
+def wait_ready(worker: WorkerProcess, marker: str, timeout: float = READY_TIMEOUT) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if " ready." in worker.log():
+        if marker in worker.log():
             return
         if worker.process.poll() is not None:
             raise AssertionError(f"worker {worker.name} exited:\n{worker.log()[-4000:]}")

@@ -1,0 +1,30 @@
+from django.core.management.base import BaseCommand
+
+from runners import selectors
+from runners.management.commands._progress import follow, project_named, summary
+
+
+class Command(BaseCommand):
+    help = ("Watch a project's rollouts: counts by status, live workers per queue, and what is "
+            "waiting and why, with a progress bar until every rollout is finished.")
+
+    def add_arguments(self, parser):
+        parser.add_argument("project")
+        parser.add_argument("--interval", type=float, default=2.0)
+        parser.add_argument("--once", action="store_true", help="print one snapshot and exit")
+        parser.add_argument("--timeout", type=float, default=None)
+
+    def handle(self, *args, project, interval, once, timeout, **options):
+        project = project_named(project)
+        for state in selectors.queue_states():
+            workers = ", ".join(state.live_workers) or "-"
+            line = f"queue {state.queue}: {workers}"
+            if state.waiting_reason:
+                line += f" (waiting: {state.waiting_reason})"
+            self.stdout.write(line)
+        if once:
+            by_status = selectors.rollouts_by_status(project=project)
+            self.stdout.write(summary(project, by_status))
+            return
+        by_status = follow(project, None, interval=interval, timeout=timeout, out=self.stderr)
+        self.stdout.write(summary(project, by_status))

@@ -1,0 +1,70 @@
+import json
+from contextlib import nullcontext
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError
+
+from lightning_site.embedded import embedded_workers
+from runners import services
+from runners.management.commands._progress import follow, project_named
+from store.errors import StoreError
+from store.services import RolloutSpec
+
+
+class Command(BaseCommand):
+    help = ("Enqueue a batch of rollouts for an agent, run by Celery workers. In the embedded "
+            "default (no DATABASE_URL, no CELERY_BROKER_URL) this process runs the workers and "
+            "waits for the batch; otherwise --wait shows progress until it is done.")
+
+    def add_arguments(self, parser):
+        parser.add_argument("project")
+        parser.add_argument("--agent", required=True, help="dotted path, e.g. examples.math:agent")
+        parser.add_argument("--count", type=int, default=1)
+        parser.add_argument("--input", default=None,
+                            help="JSON input for every rollout (default {'index': i})")
+        parser.add_argument("--inputs-file", default=None, help="JSON lines, one input each")
+        parser.add_argument("--mode", choices=["train", "val", "test"], default=None)
+        parser.add_argument("--max-attempts", type=int, default=1)
+        parser.add_argument("--retry-on", action="append", default=[],
+                            help="attempt status that retries (failed, timeout, unresponsive)")
+        parser.add_argument("--timeout-seconds", type=float, default=None)
+        parser.add_argument("--wait", action="store_true", help="follow until all are done")
+        parser.add_argument("--wait-timeout", type=float, default=None)
+        parser.add_argument("--create-project", action="store_true")
+
+    def handle(self, *args, **opts):
+        project = project_named(opts["project"], create=opts["create_project"])
+        specs = [
+            RolloutSpec(input=value, mode=opts["mode"], config={
+                "max_attempts": opts["max_attempts"], "retry_condition": opts["retry_on"],
+                "timeout_seconds": opts["timeout_seconds"],
+            })
+            for value in self._inputs(opts)
+        ]
+        embedded = settings.EMBEDDED_WORKERS
+        with embedded_workers() if embedded else nullcontext():
+            try:
+                rollouts = services.rollouts_enqueue_for_celery(
+                    project=project, specs=specs, agent=opts["agent"]
+                )
+            except StoreError as exc:
+                raise CommandError(str(exc)) from None
+            self.stdout.write(f"enqueued {len(rollouts)} rollouts for {opts['agent']}")
+            if embedded or opts["wait"]:
+                by_status = follow(project, [r.pk for r in rollouts], interval=0.5,
+                                   timeout=opts["wait_timeout"], out=self.stderr)
+                self.stdout.write(json.dumps(by_status, sort_keys=True))
+
+    def _inputs(self, opts) -> list:
+        if opts["inputs_file"]:
+            with open(opts["inputs_file"]) as lines:
+                return [json.loads(line) for line in lines if line.strip()]
+        if opts["count"] < 1:
+            raise CommandError("--count must be >= 1")
+        if opts["input"] is not None:
+            try:
+                value = json.loads(opts["input"])
+            except json.JSONDecodeError as exc:
+                raise CommandError(f"--input is not JSON: {exc}") from None
+            return [value] * opts["count"]
+        return [{"index": i} for i in range(opts["count"])]

@@ -1,0 +1,79 @@
+"""Reads for operators: live workers per queue, and why work is waiting."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from django.db.models import Count
+
+from lightning_site.queues import Queue
+from runners.models import CeleryWorker
+from store.models import Project, Rollout
+from store.statemachine import QUEUED, ROLLOUT_TERMINAL
+
+
+@dataclass(frozen=True)
+class QueueState:
+    queue: str
+    live_workers: list[str]
+    cuda_workers: list[str]
+    # Why work sent to this queue would wait (None: a live worker serves it).
+    waiting_reason: str | None
+
+
+def celery_workers_live() -> list[CeleryWorker]:
+    return list(CeleryWorker.objects.filter(status=CeleryWorker.Status.ALIVE).order_by("name"))
+
+
+def queue_state(*, queue: str, needs_cuda: bool = False,
+                live: list[CeleryWorker] | None = None) -> QueueState:
+    """Who serves `queue`; with `needs_cuda`, work that only a CUDA worker may take waits
+    until one serves the queue."""
+    live = celery_workers_live() if live is None else live
+    serving = [w for w in live if queue in (w.queues or [])]
+    cuda = [w.name for w in serving if w.cuda_devices]
+    reason = None
+    if not serving:
+        reason = f"no live worker serves queue '{queue}'"
+    elif needs_cuda and not cuda:
+        reason = (f"no live worker with CUDA serves queue '{queue}' "
+                  f"({len(serving)} CPU-only worker(s) do)")
+    return QueueState(queue, [w.name for w in serving], cuda, reason)
+
+
+def queue_states() -> list[QueueState]:
+    live = celery_workers_live()
+    return [queue_state(queue=q.value, live=live) for q in Queue]
+
+
+@dataclass(frozen=True)
+class ProjectQueue:
+    by_status: dict[str, int]
+    celery_waiting: int  # queued rollouts delivered by Celery messages
+    waiting_reason: str | None
+
+
+def project_queue(*, project: Project) -> ProjectQueue:
+    """A project's rollouts by status, and why its Celery rollouts wait, if they do."""
+    by_status: dict[str, int] = {}
+    rows = Rollout.objects.filter(project=project).values_list("status", "dispatch")
+    waiting = 0
+    for status, dispatch in rows.iterator():
+        by_status[status] = by_status.get(status, 0) + 1
+        waiting += status in QUEUED and dispatch is not None
+    reason = queue_state(queue=Queue.ROLLOUTS.value).waiting_reason if waiting else None
+    return ProjectQueue(by_status, waiting, reason)
+
+
+def rollouts_by_status(*, project: Project, rollout_ids: Sequence[str] | None = None
+                       ) -> dict[str, int]:
+    """Counts by status of a project's rollouts (or of the listed ones)."""
+    qs = Rollout.objects.filter(project=project)
+    if rollout_ids is not None:
+        qs = qs.filter(pk__in=list(rollout_ids))
+    return dict(qs.values_list("status").annotate(n=Count("pk")).order_by())
+
+
+def finished_count(by_status: dict[str, int]) -> int:
+    return sum(n for status, n in by_status.items() if status in ROLLOUT_TERMINAL)
