@@ -168,6 +168,12 @@ class StoreClient:
                                 json=fields)
         return response.json(), rollout_id in _cancelled(response)
 
+    def update_attempts(self, updates: Sequence[dict[str, Any]]) -> set[str]:
+        """Many attempt reports in one request (each a dict with rollout_id, attempt_id and
+        AGL's update_attempt fields); returns the ids of cancelled rollouts among them."""
+        response = self.request("POST", "/attempts/batch", json={"updates": list(updates)})
+        return set(response.json()["cancelled_rollout_ids"])
+
     def add_spans(self, spans: Iterable[dict[str, Any]]) -> set[str]:
         """Store spans in batches (duplicates are ignored by the server, so retries are safe);
         returns the ids of cancelled rollouts among them."""

@@ -177,6 +177,15 @@ class UpdateAttemptIn(serializers.Serializer):
     metadata = ObjectField(required=False, allow_null=True)
 
 
+class AttemptUpdateItemIn(UpdateAttemptIn):
+    rollout_id = serializers.CharField(max_length=ID_MAX)
+    attempt_id = serializers.CharField(max_length=ID_MAX)
+
+
+class AttemptBatchIn(serializers.Serializer):
+    updates = AttemptUpdateItemIn(many=True, max_length=limits.MAX_ROLLOUTS_PER_REQUEST)
+
+
 class UpdateWorkerIn(serializers.Serializer):
     heartbeat_stats = ObjectField(required=False, allow_null=True)
 
@@ -339,13 +348,6 @@ class SpanIn(serializers.Serializer):
 class SpanBatchIn(serializers.Serializer):
     spans = serializers.ListField(
         child=SpanField(), help_text=f"At most {limits.MAX_SPANS_PER_REQUEST} spans (else 413)."
-    )
-
-
-class HeartbeatIn(serializers.Serializer):
-    rollout_ids = serializers.ListField(
-        child=serializers.CharField(max_length=ID_MAX),
-        max_length=limits.MAX_ROLLOUTS_PER_REQUEST,
     )
 
 
@@ -540,7 +542,8 @@ class SpanBatchOut(serializers.Serializer):
     cancelled_rollout_ids = serializers.ListField(child=serializers.CharField())
 
 
-class HeartbeatOut(serializers.Serializer):
+class AttemptBatchOut(serializers.Serializer):
+    attempts = AttemptOut(many=True)
     cancelled_rollout_ids = serializers.ListField(child=serializers.CharField())
 
 

@@ -243,6 +243,23 @@ class UpdateAttemptView(StoreView):
         return respond(s.AttemptOut, attempt, cancelled=cancelled)
 
 
+class UpdateAttemptsBatchView(StoreView):
+    """Extension: many attempt reports in one transaction (our batched client ends a batch of
+    rollouts with one request). All or nothing: one unknown id or illegal move fails it."""
+
+    @extend_schema(request=s.AttemptBatchIn, responses={200: s.AttemptBatchOut},
+                   operation_id="update_attempts_batch")
+    def post(self, request: Request) -> Response:
+        items = self.body(s.AttemptBatchIn)["updates"]
+        updates = [services.AttemptUpdate(**item) for item in items]
+        attempts = services.attempt_update_many(project=self.project, updates=updates)
+        cancelled = selectors.rollout_cancelled_ids(
+            project=self.project, rollout_ids={item["rollout_id"] for item in items}
+        )
+        result = {"attempts": attempts, "cancelled_rollout_ids": sorted(cancelled)}
+        return respond(s.AttemptBatchOut, result, cancelled=cancelled)
+
+
 # --- workers ---------------------------------------------------------------------------------
 
 

@@ -236,3 +236,17 @@ def test_claim_rollout_takes_a_named_queued_rollout_once(algo, runner):
     assert claimed["resources_version"] is None
     again = runner.post(f"/rollouts/{rid}/claim", json={"worker_id": "w"})
     assert again.status_code == 200 and again.json() is None
+
+
+def test_attempts_batch_ends_many_attempts_in_one_request(algo, runner):
+    _enqueue(algo, 3)
+    claimed = _dequeue(runner, limit=3)
+    updates = [{"rollout_id": r["rollout_id"], "attempt_id": r["attempt"]["attempt_id"],
+                "status": "succeeded"} for r in claimed]
+    result = runner.post("/attempts/batch", json={"updates": updates})
+    assert result.status_code == 200, result.text
+    assert [a["status"] for a in result.json()["attempts"]] == ["succeeded"] * 3
+    assert algo.get("/rollouts", params={"status_in": "succeeded"}).json()["total"] == 3
+    unknown = runner.post("/attempts/batch", json={"updates": [
+        {"rollout_id": "ro-0", "attempt_id": "at-0", "status": "failed"}]})
+    assert unknown.status_code == 404
