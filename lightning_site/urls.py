@@ -1,6 +1,7 @@
 from django.contrib import admin
 from django.urls import include, path
 
+from runners.selectors import queue_states
 from trainer import urls as trainer_urls
 
 urlpatterns = [
@@ -9,5 +10,5 @@ urlpatterns = [
     path("", include("store.api.urls")),
     # Training job pages; the runners' worker registry is handed in here (trainer never
     # imports runners).
-    path("jobs/", include((trainer_urls.build(), "trainer"))),
+    path("jobs/", include((trainer_urls.build(workers=queue_states), "trainer"))),
 ]

@@ -62,6 +62,7 @@ def test_job_pages_show_plots_steps_checkpoints_and_admin_links(staff_client, tr
     assert "Reward per step" in html and "validation" in html
     assert "/admin/store/rollout/?idempotency_key__startswith=job%2F" in html
     assert "Checkpoint history" in html and "(best)" in html
+    assert "no live worker serves queue &#x27;training&#x27;" in html  # the worker registry
     assert "<script" not in html and "http://" not in html.replace("http://www.w3.org", "")
     admin = staff_client.get(f"/admin/store/rollout/?idempotency_key__startswith="
                              f"job/{trained_job.pk}/step/0/")

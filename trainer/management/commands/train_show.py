@@ -22,7 +22,7 @@ class Command(BaseCommand):
             job.refresh_from_db()
         self.stdout.write(f"job {job.pk} {job.name} [{job.status}] agent={job.agent} "
                           f"algorithm={job.algorithm} steps={job.total_steps} "
-                          f"checkpoints={job.resources_id} best=v{job.best_version}")
+                          f"checkpoints={job.resources_id} best=v{job.best_version or '-'}")
         for step in job.steps.order_by("n"):
             m = step.metrics
             fields = [f"step {step.n:3d}", f"{step.status:9s}", f"v{step.resources_version}"

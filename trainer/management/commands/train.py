@@ -1,0 +1,130 @@
+"""`manage.py train TARGET`: create a training job and run it.
+
+TARGET names a job spec: a module with a `job_spec(seed=..., steps=...)` function (e.g.
+`examples.cipher`), or the dotted path of such a function. On the embedded default (no
+DATABASE_URL, no CELERY_BROKER_URL) the rollout and training workers and the sweep run in this
+process; otherwise the job is submitted to the deployment's workers and followed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import time
+from typing import Any
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError
+from django.utils.module_loading import import_string
+
+from lightning_site.embedded import embedded_workers
+from store import services as store_services
+from store.errors import InvalidInput
+from store.models import Project
+from trainer import progress, services
+from trainer.models import TrainingJob
+
+
+def load_spec(target: str) -> Any:
+    try:
+        module = importlib.import_module(target)
+        return module.job_spec
+    except (ImportError, AttributeError):
+        try:
+            return import_string(target)
+        except ImportError as exc:
+            raise CommandError(f"{target!r} names no job spec: {exc}") from None
+
+
+def project_named(name: str) -> Project:
+    return Project.objects.filter(name=name).first() or store_services.project_create(name=name)
+
+
+def run_followed(job_id: int, *, start: bool, reclaim: bool = False, quiet: bool = False
+                 ) -> progress.Snapshot:
+    """Start (or resume) and follow; with in-process workers on the embedded default."""
+    def go() -> progress.Snapshot:
+        if start:
+            services.job_start(job_id=job_id)
+        else:
+            services.job_resume(job_id=job_id, reclaim=reclaim)
+        return progress.follow(job_id, disable=quiet)
+
+    if settings.EMBEDDED_WORKERS:
+        # The in-process workers log every task at INFO; the progress bar says it better.
+        logging.getLogger("celery").setLevel(logging.WARNING)
+        with embedded_workers():
+            return go()
+    return go()
+
+
+def summary(snap: progress.Snapshot, seconds: float, threshold: float | None) -> str:
+    job = snap.job
+    lines = [f"job {job.pk}: {job.status} after {seconds:.1f}s, {snap.steps_done} steps done"]
+    first = job.steps.filter(n=0).values_list("metrics", flat=True).first() or {}
+    if "val_reward" in first and snap.val_reward is not None:
+        lines.append(f"validation reward {first['val_reward']:.3f} (untrained) -> "
+                     f"{snap.val_reward:.3f} (final)")
+    if threshold is not None and snap.val_reward is not None:
+        verdict = "reached" if snap.val_reward >= threshold else "NOT reached"
+        lines.append(f"threshold {threshold}: {verdict}")
+    if job.best_version is not None:
+        lines.append(f"best checkpoint: {job.resources_id} version {job.best_version}")
+    if job.error:
+        lines.append(job.error)
+    return "\n".join(lines)
+
+
+class Command(BaseCommand):
+    help = "Create a training job from a job spec and run it, showing progress."
+
+    def add_arguments(self, parser) -> None:
+        parser.add_argument("target", help="job spec: a module with job_spec(), or its path")
+        parser.add_argument("--steps", type=int, help="training steps (the spec's default)")
+        parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument("--project", default="default")
+        parser.add_argument("--algorithm", help="override the spec's algorithm")
+        parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                            help="override one config value, e.g. --set lr=0.1")
+        parser.add_argument("--no-follow", action="store_true",
+                            help="submit and return (distributed mode only)")
+        parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    def handle(self, *args, **opts) -> None:
+        spec_fn = load_spec(opts["target"])
+        spec = spec_fn(seed=opts["seed"], **({"steps": opts["steps"]} if opts["steps"] else {}))
+        config = dict(spec["config"])
+        for item in opts["set"]:
+            key, _, raw = item.partition("=")
+            try:
+                config[key] = json.loads(raw)
+            except json.JSONDecodeError:
+                config[key] = raw
+        try:
+            job = services.job_create(
+                project=project_named(opts["project"]), agent=spec["agent"],
+                algorithm=opts["algorithm"] or spec["algorithm"], config=config,
+                train_dataset=spec["train_dataset"], val_dataset=spec.get("val_dataset", []),
+                name=spec.get("name", ""),
+            )
+        except InvalidInput as exc:
+            raise CommandError(str(exc)) from None
+        mode = "embedded" if settings.EMBEDDED_WORKERS else "distributed"
+        self.stdout.write(f"job {job.pk} created ({mode} mode)")
+        if opts["no_follow"] and not settings.EMBEDDED_WORKERS:
+            services.job_start(job_id=job.pk)
+            self.stdout.write(f"submitted; follow it with `manage.py train_show {job.pk} --follow`")
+            return
+        started = time.monotonic()
+        snap = run_followed(job.pk, start=True, quiet=opts["quiet"])
+        self.stdout.write(summary(snap, time.monotonic() - started, config.get("threshold")))
+        if snap.job.status != "succeeded":
+            raise CommandError(f"job {job.pk} {snap.job.status}")
+
+
+def job_or_error(job_id: int) -> TrainingJob:
+    job = TrainingJob.objects.filter(pk=job_id).first()
+    if job is None:
+        raise CommandError(f"no job {job_id}")
+    return job

@@ -1,0 +1,37 @@
+"""`manage.py train_resume JOB`: go on from the last finished step (after a failure, a
+cancel, or every process being stopped), following it with progress."""
+
+from __future__ import annotations
+
+import time
+
+from django.conf import settings
+from django.core.management.base import BaseCommand
+
+from trainer import services
+from trainer.management.commands.train import job_or_error, run_followed, summary
+
+
+class Command(BaseCommand):
+    help = "Resume a training job from its last finished step."
+
+    def add_arguments(self, parser) -> None:
+        parser.add_argument("job", type=int)
+        parser.add_argument(
+            "--reclaim", action="store_true",
+            help="take back work held by workers that are gone now instead of when their "
+                 "leases run out (implied on the embedded default: no other process runs)")
+        parser.add_argument("--no-follow", action="store_true")
+        parser.add_argument("--quiet", action="store_true")
+
+    def handle(self, *args, **opts) -> None:
+        job = job_or_error(opts["job"])
+        reclaim = opts["reclaim"] or settings.EMBEDDED_WORKERS
+        if opts["no_follow"] and not settings.EMBEDDED_WORKERS:
+            job = services.job_resume(job_id=job.pk, reclaim=reclaim)
+            self.stdout.write(f"job {job.pk}: {job.status}")
+            return
+        started = time.monotonic()
+        snap = run_followed(job.pk, start=False, reclaim=reclaim, quiet=opts["quiet"])
+        self.stdout.write(summary(snap, time.monotonic() - started,
+                                  snap.job.config.get("threshold")))
