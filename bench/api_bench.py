@@ -1,0 +1,329 @@
+"""HTTP benchmark of the store API. Prints figures; asserts nothing. Not a test.
+
+    DATABASE_URL=postgres://postgres@127.0.0.1:5432/lightning_api_bench \
+        .venv/bin/python bench/api_bench.py [--rollouts 480] [--skip-agl]
+
+Same run, same workload, against (a) our server (gunicorn, Postgres) and (b) Agent Lightning
+0.3's own `agl store --backend memory` (from .venv-agl; tests/agl/setup_venv.sh makes it):
+16 concurrent AGL-style runners, each looping dequeue -> 4 spans over OTLP/HTTP protobuf (one
+request per span, as AGL's exporter sends them) -> update_attempt(succeeded), until the queue
+is empty. Then, on our server only: our batched client (dequeue 250 at a time, their spans in
+one batch, their completions in one batch) in rollouts/s, and span ingest of ~1 KB spans over
+HTTP (batches of 1,000) in spans/s.
+
+Uses (and empties) its own database, whose name must contain "bench". Servers listen on
+127.0.0.1 ports 18090-18099.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "lightning_site.settings")
+os.environ.setdefault("DJANGO_SECRET_KEY", "bench")
+
+import django  # noqa: E402
+
+django.setup()
+logging.getLogger("httpx").setLevel(logging.WARNING)
+
+import httpx  # noqa: E402
+import psycopg  # noqa: E402
+from django.conf import settings  # noqa: E402
+from django.core.management import call_command  # noqa: E402
+from django.db import connection  # noqa: E402
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: E402
+    ExportTraceServiceRequest,
+)
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue  # noqa: E402
+
+from runners.client import StoreClient  # noqa: E402
+from store import services  # noqa: E402
+
+OURS_PORT, AGL_PORT = 18090, 18091
+RUNNERS = 16
+TABLES = ["store_span", "store_attempt", "store_rollout", "store_worker",
+          "store_resourceversion", "store_resourceset", "store_apikey", "store_project"]
+
+
+def prepare_database() -> str:
+    name = settings.DATABASES["default"]["NAME"]
+    if "bench" not in name:
+        sys.exit(f"refusing to empty database {name!r}: its name must contain 'bench'")
+    create_database_if_missing(name)
+    call_command("migrate", verbosity=0)
+    with connection.cursor() as cursor:
+        cursor.execute(f"TRUNCATE {', '.join(TABLES)} RESTART IDENTITY CASCADE")
+    project = services.project_create(name="bench")
+    return services.api_key_create(project=project, role="admin")[1]
+
+
+def create_database_if_missing(name: str) -> None:
+    db = settings.DATABASES["default"]
+    with psycopg.connect(dbname="postgres", user=db["USER"] or "postgres",
+                         host=db["HOST"] or "127.0.0.1", port=db["PORT"] or 5432,
+                         autocommit=True) as admin:
+        exists = admin.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone()
+        if not exists:
+            admin.execute(f'CREATE DATABASE "{name}"')
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, attempts: int = 600) -> None:
+    for _ in range(attempts):
+        if proc.poll() is not None:
+            sys.exit(f"server at {url} exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/v1/agl/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    sys.exit(f"server at {url} did not come up")
+
+
+def start_ours(workers: int, threads: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "gunicorn", "lightning_site.wsgi", "-b",
+           f"127.0.0.1:{OURS_PORT}", "-k", "gthread", "-w", str(workers),
+           "--threads", str(threads), "--log-level", "warning", "--preload"]
+    env = {**os.environ, "LOG_LEVEL": "WARNING"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
+    wait_healthy(f"http://127.0.0.1:{OURS_PORT}", proc)
+    return proc
+
+
+def start_agl() -> subprocess.Popen:
+    agl = ROOT / ".venv-agl" / "bin" / "agl"
+    if not agl.exists():
+        sys.exit("no .venv-agl: run tests/agl/setup_venv.sh first (or pass --skip-agl)")
+    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+           "AGENTOPS_API_ENDPOINT": "http://127.0.0.1:9",
+           "AGENTOPS_EXPORTER_ENDPOINT": "http://127.0.0.1:9"}
+    proc = subprocess.Popen([str(agl), "store", "--backend", "memory", "--host", "127.0.0.1",
+                             "--port", str(AGL_PORT), "--log-level", "WARNING"],
+                            env=env, start_new_session=True, stdout=subprocess.DEVNULL)
+    wait_healthy(f"http://127.0.0.1:{AGL_PORT}", proc)
+    return proc
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=5)
+
+
+def _kv(key: str, value: str | int) -> KeyValue:
+    if isinstance(value, int):
+        return KeyValue(key=key, value=AnyValue(int_value=value))
+    return KeyValue(key=key, value=AnyValue(string_value=value))
+
+
+def otlp_span(rollout_id: str, attempt_id: str, index: int) -> bytes:
+    request = ExportTraceServiceRequest()
+    resource_spans = request.resource_spans.add()
+    resource_spans.resource.attributes.extend([
+        _kv("service.name", "bench"), _kv("agentlightning.rollout_id", rollout_id),
+        _kv("agentlightning.attempt_id", attempt_id),
+    ])
+    span = resource_spans.scope_spans.add().spans.add()
+    span.trace_id = os.urandom(16)
+    span.span_id = os.urandom(8)
+    span.name = f"bench.step.{index}"
+    now = time.time_ns()
+    span.start_time_unix_nano, span.end_time_unix_nano = now, now + 1000
+    span.attributes.extend([_kv("step", index), _kv("gen_ai.prompt", "question " * 8)])
+    return request.SerializeToString()
+
+
+def warm_up(url: str, key: str, requests: int = 60) -> None:
+    """First requests of a process import and connect lazily: keep them out of the figures."""
+    with httpx.Client(base_url=url + "/v1/agl", timeout=60,
+                      headers={"Authorization": f"Bearer {key}"}) as client:
+        for _ in range(requests):
+            client.post("/queues/rollouts/dequeue", json={"limit": 1, "worker_id": "warm"})
+            client.get("/rollouts", params={"limit": 1})
+
+
+def enqueue(url: str, key: str, count: int) -> None:
+    with httpx.Client(base_url=url + "/v1/agl", timeout=120,
+                      headers={"Authorization": f"Bearer {key}"}) as client:
+        for start in range(0, count, 500):
+            body = {"rollouts": [{"input": {"i": i}, "mode": "train"}
+                                 for i in range(start, min(start + 500, count))]}
+            client.post("/queues/rollouts/enqueue", json=body).raise_for_status()
+
+
+def agl_style_runner(url: str, key: str, worker: str, counts: list[int], errors: list) -> None:
+    headers = {"Authorization": f"Bearer {key}"}
+    with httpx.Client(base_url=url, timeout=60, headers=headers) as client:
+        while True:
+            try:
+                claimed = client.post("/v1/agl/queues/rollouts/dequeue",
+                                      json={"limit": 1, "worker_id": worker})
+                claimed.raise_for_status()
+                if not claimed.json():
+                    return
+                rollout = claimed.json()[0]
+                rid, aid = rollout["rollout_id"], rollout["attempt"]["attempt_id"]
+                for index in range(4):
+                    client.post("/v1/traces", content=otlp_span(rid, aid, index),
+                                headers={"Content-Type": "application/x-protobuf"}
+                                ).raise_for_status()
+                client.post(f"/v1/agl/rollouts/{rid}/attempts/{aid}",
+                            json={"status": "succeeded"}).raise_for_status()
+                counts.append(1)
+            except httpx.HTTPError as exc:
+                errors.append(repr(exc))
+                return
+
+
+def run_threads(target, args_list: list[tuple]) -> float:
+    threads = [threading.Thread(target=target, args=args) for args in args_list]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - started
+
+
+def agl_workload(url: str, key: str, rollouts: int) -> float:
+    warm_up(url, key)
+    enqueue(url, key, rollouts)
+    counts: list[int] = []
+    errors: list[str] = []
+    elapsed = run_threads(agl_style_runner,
+                          [(url, key, f"runner-{i}", counts, errors) for i in range(RUNNERS)])
+    if errors:
+        print(f"  errors: {len(errors)}, first: {errors[0]}")
+    done = len(counts)
+    print(f"  {done} rollouts (dequeue + 4 OTLP spans + complete) by {RUNNERS} runners "
+          f"in {elapsed:.2f} s")
+    return done / elapsed
+
+
+def batched_client(url: str, key: str, rollouts: int, threads: int = 4, batch: int = 250
+                   ) -> float:
+    warm_up(url, key)
+    enqueue(url, key, rollouts)
+    done: list[int] = []
+
+    def work(worker: str) -> None:
+        with StoreClient(url, key) as client:
+            while True:
+                claimed = client.dequeue(worker_id=worker, limit=batch)
+                if not claimed:
+                    return
+                spans = [
+                    {"rollout_id": r["rollout_id"], "attempt_id": r["attempt"]["attempt_id"],
+                     "sequence_id": i, "trace_id": os.urandom(16).hex(),
+                     "span_id": os.urandom(8).hex(), "name": f"bench.step.{i}",
+                     "attributes": {"step": i}, "start_time": time.time(),
+                     "end_time": time.time()}
+                    for r in claimed for i in range(4)
+                ]
+                client.add_spans(spans)
+                client.update_attempts([
+                    {"rollout_id": r["rollout_id"], "attempt_id": r["attempt"]["attempt_id"],
+                     "status": "succeeded"} for r in claimed
+                ])
+                done.append(len(claimed))
+
+    elapsed = run_threads(work, [(f"batch-{i}",) for i in range(threads)])
+    print(f"  {sum(done)} rollouts (dequeue {batch}, spans and completions in batches) by "
+          f"{threads} client threads in {elapsed:.2f} s")
+    return sum(done) / elapsed
+
+
+def span_ingest(url: str, key: str, batches: int, threads: int = 4, per_batch: int = 1000
+                ) -> float:
+    enqueue(url, key, threads)
+    with StoreClient(url, key) as client:
+        claimed = client.dequeue(worker_id="ingest", limit=threads)
+    payload = "x" * 900  # with the other fields, about 1 KB of JSON per span
+    bodies = []
+    for t, rollout in enumerate(claimed):
+        rid, aid = rollout["rollout_id"], rollout["attempt"]["attempt_id"]
+        per_thread = []
+        for b in range(batches):
+            spans = [{"rollout_id": rid, "attempt_id": aid, "sequence_id": b * per_batch + i,
+                      "trace_id": f"{t:032x}", "span_id": f"{b * per_batch + i:016x}",
+                      "name": "llm.call", "attributes": {"gen_ai.prompt": payload, "i": i},
+                      "start_time": 1.7e9, "end_time": 1.7e9 + 1}
+                     for i in range(per_batch)]
+            per_thread.append(httpx.Request("POST", "x", json={"spans": spans}).content)
+        bodies.append(per_thread)
+    sizes = sum(len(body) for body in bodies[0]) / (batches * per_batch)
+
+    def send(thread_bodies: list[bytes]) -> None:
+        with httpx.Client(base_url=url + "/v1/agl", timeout=120,
+                          headers={"Authorization": f"Bearer {key}",
+                                   "Content-Type": "application/json"}) as http:
+            for body in thread_bodies:
+                http.post("/spans/batch", content=body).raise_for_status()
+
+    elapsed = run_threads(send, [(b,) for b in bodies])
+    total = len(claimed) * batches * per_batch
+    print(f"  {total} spans of ~{sizes:.0f} bytes in batches of {per_batch} by {threads} "
+          f"client threads in {elapsed:.2f} s")
+    return total / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rollouts", type=int, default=480)
+    parser.add_argument("--batched-rollouts", type=int, default=6000)
+    parser.add_argument("--span-batches", type=int, default=15)
+    parser.add_argument("--gunicorn-workers", type=int, default=3)
+    parser.add_argument("--gunicorn-threads", type=int, default=8)
+    parser.add_argument("--skip-agl", action="store_true")
+    args = parser.parse_args()
+    key = prepare_database()
+    ours_url = f"http://127.0.0.1:{OURS_PORT}"
+    figures: dict[str, float] = {}
+
+    ours = start_ours(args.gunicorn_workers, args.gunicorn_threads)
+    try:
+        print(f"(a) ours: gunicorn {args.gunicorn_workers}x{args.gunicorn_threads} threads, "
+              f"Postgres {settings.DATABASES['default']['NAME']}")
+        figures["ours"] = agl_workload(ours_url, key, args.rollouts)
+        print(f"  -> {figures['ours']:.1f} rollouts/s")
+    finally:
+        stop(ours)
+    if not args.skip_agl:
+        agl = start_agl()
+        try:
+            print("(b) Agent Lightning 0.3: agl store --backend memory")
+            figures["agl"] = agl_workload(f"http://127.0.0.1:{AGL_PORT}", key, args.rollouts)
+            print(f"  -> {figures['agl']:.1f} rollouts/s")
+        finally:
+            stop(agl)
+        print(f"ratio ours/agl: {figures['ours'] / figures['agl']:.2f}x (target >= 3x)")
+
+    ours = start_ours(args.gunicorn_workers, args.gunicorn_threads)
+    try:
+        print("(c) ours, batched client")
+        figures["batched"] = batched_client(ours_url, key, args.batched_rollouts)
+        print(f"  -> {figures['batched']:.0f} rollouts/s (target >= 1,000)")
+        print("(d) ours, span ingest over HTTP")
+        figures["spans"] = span_ingest(ours_url, key, args.span_batches)
+        print(f"  -> {figures['spans']:.0f} spans/s (target >= 15,000)")
+    finally:
+        stop(ours)
+
+
+if __name__ == "__main__":
+    main()
