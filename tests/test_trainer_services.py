@@ -143,3 +143,12 @@ def test_retention_keeps_the_best_checkpoint_and_the_latest(monkeypatch):
                .values_list("version", flat=True))
     assert job.best_version in kept
     assert max(kept) == 5 and len(kept) <= 2
+
+
+def test_the_readme_algorithm_example_trains(monkeypatch):
+    sent = capture_sends(monkeypatch)
+    job = make_job(steps=2, algorithm="examples.reinforce.REINFORCE")
+    job = drive(services.job_start(job_id=job.pk), sent)
+    assert job.status == JobStatus.SUCCEEDED, job.error
+    assert "loss" in job.steps.get(n=0).metrics
+    assert job.steps.get(n=2).metrics["val_rollouts"] == 4

@@ -10,7 +10,7 @@ from lightning_site.queues import Queue
 from trainer import delivery, services
 
 
-@shared_task(name=delivery.TRAIN_STEP_TASK, queue=Queue.TRAINING.value, bind=True)
+@shared_task(name=delivery.TRAIN_STEP_TASK, lightning_queue=Queue.TRAINING.value, bind=True)
 def train_step(self, *, step_id: int) -> str:
     """Idempotent: a redelivered or re-sent step that is done, or held by a live worker, does
     nothing (see services.step_train)."""
