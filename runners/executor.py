@@ -65,10 +65,9 @@ def execute(
     watcher = _Watcher(gateway, claim, worker_id, options.heartbeat_seconds, guard)
     with attempt_tracing(rollout_id=claim.rollout_id, attempt_id=claim.attempt_id,
                          batch_size=options.span_batch_size, on_full=watcher.wake) as spans:
+        # No heartbeat before the agent starts: the claim just took a queued rollout, and the
+        # first span batch or heartbeat (whichever comes first) moves the attempt to running.
         watcher.spans = spans
-        if gateway.heartbeat(rollout_id=claim.rollout_id, attempt_id=claim.attempt_id,
-                             worker_id=worker_id):
-            guard.cancelled_before_start()
         watcher.start()
         try:
             outcome = _run(gateway, claim, agent, info, guard)
@@ -137,10 +136,6 @@ class _CancelGuard:
         self._lock = threading.Lock()
         self._running = False
         self._injected = False
-
-    def cancelled_before_start(self) -> None:
-        self.stop_requested = True
-        self.info.cancelled.set()
 
     def enter(self) -> None:
         with self._lock:

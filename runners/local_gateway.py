@@ -62,16 +62,16 @@ class LocalGateway:
     def finish(
         self, *, rollout_id: str, attempt_id: str, status: str, error: str | None = None
     ) -> None:
-        attempt = selectors.attempt_get(
-            project=self.project, rollout_id=rollout_id, attempt_id=attempt_id
-        )
-        metadata = dict(attempt.metadata or {})
+        changes = {}
         if error is not None:
-            metadata["error"] = error
+            attempt = selectors.attempt_get(
+                project=self.project, rollout_id=rollout_id, attempt_id=attempt_id
+            )
+            changes["metadata"] = {**(attempt.metadata or {}), "error": error}
         try:
             services.attempt_update(
                 project=self.project, rollout_id=rollout_id, attempt_id=attempt_id,
-                status=status, metadata=metadata,
+                status=status, **changes,
             )
         except IllegalTransition as exc:  # someone already gave the final verdict
             log.warning("late report for %s/%s ignored: %s", rollout_id, attempt_id, exc)
