@@ -38,6 +38,7 @@ from store.api import limits
 from store.api.base import CANCELLED_HEADER, StoreView
 from store.api.errors import PayloadTooLarge, UnsupportedMediaType
 from store.api.serializers import check_span_sizes
+from store.services.spans import span_sequence_ids_reserve
 
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
@@ -212,15 +213,10 @@ def _span(proto: Any, attrs: dict[str, Any], resource: dict[str, Any], rollout_i
 
 
 def assign_sequence_ids(project: Any, spans: list[dict[str, Any]]) -> None:
-    """Give spans without a sequence id the next ids of their attempt (one call per attempt)."""
+    """Give spans without a sequence id the next ids of their attempt (one statement)."""
     missing = Counter((span["rollout_id"], span["attempt_id"])
                       for span in spans if span["sequence_id"] is None)
-    next_id = {
-        key: services.span_next_sequence_id(
-            project=project, rollout_id=key[0], attempt_id=key[1], count=count
-        )
-        for key, count in missing.items()
-    }
+    next_id = span_sequence_ids_reserve(project=project, counts=dict(missing))
     for span in spans:
         if span["sequence_id"] is None:
             key = (span["rollout_id"], span["attempt_id"])

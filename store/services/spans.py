@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
@@ -115,24 +115,61 @@ def heartbeat(attempts: list[Attempt], now: datetime) -> None:
     rollout of a latest attempt preparing/requeuing -> running. Never revives an attempt that
     ended (succeeded, failed, timeout), never moves a terminal rollout. Compare-and-swap
     updates, so a concurrent watchdog verdict or runner report is never overwritten."""
+    due = []
     for attempt in sorted(attempts, key=lambda a: a.pk):
         if attempt.status not in _REVIVABLE:
             continue
         last = attempt.last_heartbeat_time
         if attempt.status == AttemptStatus.RUNNING and last and now - last < HEARTBEAT_MIN_INTERVAL:
             continue
-        config = RolloutConfig.parse(attempt.rollout.config)
-        moved = Attempt.objects.filter(pk=attempt.pk, status__in=_REVIVABLE).update(
-            status=AttemptStatus.RUNNING,
-            last_heartbeat_time=now,
-            deadline=attempt_deadline(config, attempt.start_time, now),
+        due.append(attempt)
+    if not due:
+        return
+    if connection.vendor == "postgresql":
+        moved = _heartbeat_batch(due, now)
+    else:
+        moved = {a.pk for a in due if _heartbeat_one(a, now)}
+    latest = [a for a in due if a.pk in moved and a.rollout.latest_attempt_id == a.pk]
+    if latest:
+        Rollout.objects.filter(
+            pk__in=[a.rollout_id for a in latest],
+            latest_attempt__in=[a.pk for a in latest],
+            status__in=(RolloutStatus.PREPARING, RolloutStatus.REQUEUING),
+        ).update(status=RolloutStatus.RUNNING, queue_deadline=None)
+
+
+def _deadline(attempt: Attempt, now: datetime) -> datetime | None:
+    return attempt_deadline(RolloutConfig.parse(attempt.rollout.config), attempt.start_time, now)
+
+
+def _heartbeat_one(attempt: Attempt, now: datetime) -> bool:
+    return bool(Attempt.objects.filter(pk=attempt.pk, status__in=_REVIVABLE).update(
+        status=AttemptStatus.RUNNING, last_heartbeat_time=now, deadline=_deadline(attempt, now),
+    ))
+
+
+def _heartbeat_batch(due: list[Attempt], now: datetime) -> set[int]:
+    """Two statements for the whole batch (a span batch may touch hundreds of attempts):
+    lock the rows in pk order (the one lock order of every writer), then one compare-and-swap
+    UPDATE ... FROM (VALUES ...); returns the pks it moved."""
+    table = Attempt._meta.db_table
+    pks = [a.pk for a in due]
+    values = ", ".join(["(%s::bigint, %s::timestamptz)"] * len(due))
+    params: list[Any] = [now]
+    for attempt in due:
+        params += [attempt.pk, _deadline(attempt, now)]
+    with transaction.atomic(savepoint=False), connection.cursor() as cursor:
+        cursor.execute(
+            f'SELECT id FROM "{table}" WHERE id = ANY(%s) ORDER BY id FOR UPDATE', [pks]
         )
-        if moved and attempt.rollout.latest_attempt_id == attempt.pk:
-            Rollout.objects.filter(
-                pk=attempt.rollout_id,
-                latest_attempt=attempt.pk,
-                status__in=(RolloutStatus.PREPARING, RolloutStatus.REQUEUING),
-            ).update(status=RolloutStatus.RUNNING, queue_deadline=None)
+        cursor.execute(
+            f'UPDATE "{table}" AS t SET status = \'running\', last_heartbeat_time = %s, '
+            f"deadline = v.deadline FROM (VALUES {values}) AS v(pk, deadline) "
+            f"WHERE t.id = v.pk AND t.status IN ('preparing', 'running', 'unresponsive') "
+            f"RETURNING t.id",
+            params,
+        )
+        return {row[0] for row in cursor.fetchall()}
 
 
 def span_next_sequence_id(
@@ -151,3 +188,41 @@ def span_next_sequence_id(
         # The row stays locked by our update until commit, so this read is ours alone.
         after = row.values_list("next_span_sequence_id", flat=True)
         return after.get() - count
+
+
+def span_sequence_ids_reserve(
+    *, project: Project, counts: dict[tuple[str, str], int]
+) -> dict[tuple[str, str], int]:
+    """Reserve `count` span sequence ids for each (rollout id, attempt id) in one statement
+    (OTLP ingest: spans that carry no sequence id); returns the first id of each."""
+    if not counts:
+        return {}
+    if any(count < 1 for count in counts.values()):
+        raise InvalidInput("count", "must be >= 1")
+    if connection.vendor != "postgresql":
+        return {
+            key: span_next_sequence_id(project=project, rollout_id=key[0], attempt_id=key[1],
+                                       count=count)
+            for key, count in counts.items()
+        }
+    keys = sorted(counts)
+    values = ", ".join(["(%s, %s, %s::integer)"] * len(keys))
+    params: list[Any] = []
+    for rollout_id, attempt_id in keys:
+        params += [rollout_id, attempt_id, counts[(rollout_id, attempt_id)]]
+    params.append(project.pk)
+    attempt, rollout = Attempt._meta.db_table, Rollout._meta.db_table
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f'UPDATE "{attempt}" AS t SET next_span_sequence_id = t.next_span_sequence_id + v.n '
+            f'FROM (VALUES {values}) AS v(rid, aid, n), "{rollout}" AS r '
+            f"WHERE t.rollout_id = v.rid AND t.attempt_id = v.aid AND r.id = t.rollout_id "
+            f"AND r.project_id = %s RETURNING t.rollout_id, t.attempt_id, "
+            f"t.next_span_sequence_id - v.n",
+            params,
+        )
+        first = {(row[0], row[1]): row[2] for row in cursor.fetchall()}
+    for key in keys:
+        if key not in first:
+            raise NotFound("attempt", f"{key[0]}/{key[1]}")
+    return first

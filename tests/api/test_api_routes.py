@@ -250,3 +250,15 @@ def test_attempts_batch_ends_many_attempts_in_one_request(algo, runner):
     unknown = runner.post("/attempts/batch", json={"updates": [
         {"rollout_id": "ro-0", "attempt_id": "at-0", "status": "failed"}]})
     assert unknown.status_code == 404
+
+
+def test_a_span_batch_over_many_attempts_heartbeats_each_of_them(algo, runner):
+    _enqueue(algo, 3)
+    claimed = _dequeue(runner, limit=3)
+    spans = [{**SPAN, "rollout_id": r["rollout_id"], "attempt_id": r["attempt"]["attempt_id"],
+              "sequence_id": 1, "span_id": f"{i:016x}"} for i, r in enumerate(claimed)]
+    assert runner.post("/spans/batch", json={"spans": spans}).json()["added"] == 3
+    for rollout in claimed:
+        got = algo.get(f"/rollouts/{rollout['rollout_id']}").json()
+        assert got["status"] == "running" and got["attempt"]["status"] == "running"
+        assert got["attempt"]["last_heartbeat_time"] is not None
