@@ -24,7 +24,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.django_db(transaction=True)
-def test_train_show_and_train_cancel(monkeypatch):
+def test_train_show_and_train_cancel(monkeypatch, settings, tmp_path):
+    settings.STORAGES = {**settings.STORAGES, "checkpoints": {
+        "BACKEND": "django.core.files.storage.FileSystemStorage",
+        "OPTIONS": {"location": str(tmp_path)}}}
     monkeypatch.setattr(services.delivery, "send_rollouts", lambda *_: None)
     spec = job_spec(steps=2)
     job = services.job_create(

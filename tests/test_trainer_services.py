@@ -19,6 +19,15 @@ from trainer.models import JobStatus, StepStatus, TrainingJob, TrainingStep
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
+@pytest.fixture(autouse=True)
+def checkpoint_dir(tmp_path, settings):
+    path = tmp_path / "checkpoints"
+    settings.STORAGES = {**settings.STORAGES, "checkpoints": {
+        "BACKEND": "django.core.files.storage.FileSystemStorage",
+        "OPTIONS": {"location": str(path)}}}
+    return path
+
+
 class ExplodingGRPO(GRPO):
     """Fails every update: the bounded-retry test's algorithm."""
 
@@ -136,13 +145,33 @@ def test_cancel_then_resume_goes_on_from_the_last_finished_step(monkeypatch):
     assert job.steps.filter(status=StepStatus.DONE).count() == 4
 
 
-def test_retention_keeps_the_best_checkpoint_and_the_latest(monkeypatch):
+def test_retention_keeps_the_best_checkpoint_and_the_latest(monkeypatch, checkpoint_dir):
     sent = capture_sends(monkeypatch)
     job = drive(services.job_start(job_id=make_job(steps=4, keep_last=1).pk), sent)
     kept = set(ResourceVersion.objects.filter(resource_set_id=job.resources_id)
                .values_list("version", flat=True))
     assert job.best_version in kept
     assert max(kept) == 5 and len(kept) <= 2
+    files = {p.name for p in checkpoint_dir.rglob("*.pt")}
+    names = {v.resources["checkpoint"]["name"].rsplit("/", 1)[1]
+             for v in ResourceVersion.objects.filter(resource_set_id=job.resources_id)}
+    assert files == names  # the files of deleted versions are gone too
+
+
+def test_a_step_past_its_deadline_trains_on_what_finished_and_cancels_the_rest(monkeypatch):
+    sent = capture_sends(monkeypatch)
+    job = services.job_start(job_id=make_job().pk)
+    step = job.steps.get()
+    claimed = store_services.rollout_dequeue(project=job.project, worker_id="slow")
+    assert claimed is not None  # one rollout stays running, the others queued
+    assert services.steps_sweep().ready == []
+    later = timezone.now() + timedelta(seconds=job.config["step_timeout_seconds"] + 1)
+    assert services.steps_sweep(now=later).ready == [step.pk]
+    statuses = set(job.project.rollouts.values_list("status", flat=True))
+    assert statuses == {"cancelled"}
+    assert services.step_train(step_id=sent.train_steps.pop(), worker="w") == "done"
+    step.refresh_from_db()
+    assert step.metrics["train_rollouts_failed"] == 8 and "train_reward" not in step.metrics
 
 
 def test_the_readme_algorithm_example_trains(monkeypatch):

@@ -93,6 +93,20 @@ def checkpoint_delete(resource: dict[str, Any]) -> None:
     _storage(resource.get("storage", STORAGE_ALIAS)).delete(resource["name"])
 
 
+def checkpoints_prune(*, name_prefix: str, keep_names: set[str]) -> list[str]:
+    """Delete the files under `name_prefix` that no kept version names (after retention
+    deleted versions). Names are content-addressed, so a retried step's file is a kept one."""
+    storage = _storage(STORAGE_ALIAS)
+    try:
+        _, files = storage.listdir(name_prefix)
+    except FileNotFoundError:
+        return []
+    doomed = [f"{name_prefix}/{f}" for f in files if f"{name_prefix}/{f}" not in keep_names]
+    for name in doomed:
+        storage.delete(name)
+    return doomed
+
+
 def find_checkpoint(resources: dict[str, Any]) -> dict[str, Any] | None:
     """The checkpoint among a rollout's resources (the first of its type)."""
     for value in resources.values():

@@ -329,8 +329,17 @@ def _track_best(job: TrainingJob, step: TrainingStep, metrics: dict[str, Any]) -
 
 
 def _retain(job: TrainingJob) -> None:
-    store_services.resources_retain(keep_last=job_config(job)["keep_last"],
-                                    project=job.project, resources_id=job.resources_id)
+    """Retention after a step: old versions go (the store keeps the best and the pinned
+    ones), then the files no remaining version names."""
+    deleted = store_services.resources_retain(keep_last=job_config(job)["keep_last"],
+                                              project=job.project,
+                                              resources_id=job.resources_id)
+    if deleted:
+        kept = {
+            (v.resources.get("checkpoint") or {}).get("name")
+            for v in selectors.job_checkpoints(job=job)
+        }
+        checkpoints.checkpoints_prune(name_prefix=f"jobs/{job.pk}", keep_names=kept)
 
 
 def step_record_failure(*, step_id: int, attempt: int, error: str) -> str:
