@@ -37,7 +37,7 @@ class ExplodingGRPO(GRPO):
 
 def make_job(*, steps: int = 2, algorithm: str = "grpo", **config) -> TrainingJob:
     spec = job_spec(seed=0, steps=steps)
-    project = store_services.project_create(name="trainer-test")
+    project = store_services.project_create(name=f"trainer-test-{TrainingJob.objects.count()}")
     spec["config"].update({"tasks_per_step": 2, "group_size": 4, "val_every": 1, **config})
     return services.job_create(
         project=project, agent=spec["agent"], algorithm=algorithm, config=spec["config"],
@@ -181,3 +181,24 @@ def test_the_readme_algorithm_example_trains(monkeypatch):
     assert job.status == JobStatus.SUCCEEDED, job.error
     assert "loss" in job.steps.get(n=0).metrics
     assert job.steps.get(n=2).metrics["val_rollouts"] == 4
+
+
+def test_the_same_seed_gives_the_same_checkpoints(monkeypatch):
+    sent = capture_sends(monkeypatch)
+    shas = []
+    for _ in range(2):
+        job = drive(services.job_start(job_id=make_job(steps=1).pk), sent)
+        shas.append([v.resources["checkpoint"]["sha256"] for v in
+                     ResourceVersion.objects.filter(resource_set_id=job.resources_id)
+                     .order_by("version")])
+    assert shas[0] == shas[1] and len(shas[0]) == 2
+
+
+def test_the_baseline_only_evaluates(monkeypatch):
+    sent = capture_sends(monkeypatch)
+    job = drive(services.job_start(job_id=make_job(steps=2, algorithm="baseline").pk), sent)
+    assert job.status == JobStatus.SUCCEEDED
+    steps = list(job.steps.order_by("n"))
+    assert [s.produced_version for s in steps] == [1, 1, 1]
+    assert {s.rollout_count for s in steps} == {0}
+    assert len({s.metrics["val_reward"] for s in steps}) == 1  # same policy, same greedy score
