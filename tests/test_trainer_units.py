@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer import checkpoints
+from lightning_site import control
+from store import hooks
+from trainer import checkpoints, reactions, services
 from trainer import conventions as c
 from trainer.algorithms import FinishedRollout, TripletAdapter, algorithm_load
 from trainer.algorithms.grpo import group_advantages
@@ -84,3 +86,8 @@ def test_checkpoints_round_trip_and_a_corrupt_file_is_refused(settings, tmp_path
     checkpoints._cache.clear()
     with pytest.raises(checkpoints.CheckpointError, match="sha256"):
         checkpoints.checkpoint_load(resource)
+
+
+def test_the_trainer_plugs_into_the_store_hook_and_the_control_sweep():
+    assert control._reconcilers["training_steps"] is services.steps_redispatch
+    assert reactions.rollouts_finished in hooks._finished_callbacks
