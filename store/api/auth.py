@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
+import threading
+import time
 from dataclasses import dataclass
 
 from rest_framework import exceptions
@@ -65,12 +68,36 @@ def raw_key_from_header(header: bytes) -> str | None:
     return password or user
 
 
+# A key checked in the last few seconds is not looked up again (one query less per request);
+# so a revoked key may keep working for up to this long in a process that just used it.
+KEY_CACHE_SECONDS = 5.0
+_KEY_CACHE_MAX = 1024
+_key_cache: dict[str, tuple[float, ApiKey]] = {}
+_key_cache_lock = threading.Lock()
+
+
+def authenticate_key(raw: str) -> ApiKey | None:
+    digest = hashlib.sha256(raw.encode()).hexdigest()
+    now = time.monotonic()
+    with _key_cache_lock:
+        hit = _key_cache.get(digest)
+    if hit is not None and hit[0] > now:
+        return hit[1]
+    key = services.api_key_authenticate(raw=raw)
+    if key is not None:
+        with _key_cache_lock:
+            if len(_key_cache) >= _KEY_CACHE_MAX:
+                _key_cache.clear()
+            _key_cache[digest] = (now + KEY_CACHE_SECONDS, key)
+    return key
+
+
 class ApiKeyAuthentication(BaseAuthentication):
     def authenticate(self, request: Request) -> tuple[KeyPrincipal, ApiKey] | None:
         raw = raw_key_from_header(get_authorization_header(request))
         if raw is None:
             return None
-        key = services.api_key_authenticate(raw=raw)
+        key = authenticate_key(raw)
         if key is None:
             raise exceptions.AuthenticationFailed("invalid or revoked API key")
         return KeyPrincipal(project=key.project, role=key.role, key_name=key.name), key
