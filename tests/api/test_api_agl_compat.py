@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -44,11 +45,24 @@ def agl_env() -> dict[str, str]:
 
 
 def run_agl(python: Path, script: str, *args: str, timeout: int = 300) -> str:
-    result = subprocess.run([str(python), str(ROOT / "tests" / "agl" / script), *args],
-                            capture_output=True, text=True, timeout=timeout, env=agl_env(),
-                            cwd=ROOT)
-    assert result.returncode == 0, f"{script} failed:\n{result.stderr[-6000:]}"
-    return result.stdout
+    """Run an AGL script in its own process group, so that the runner processes an AGL
+    Trainer spawns are killed with it if it overruns."""
+    proc = subprocess.Popen([str(python), str(ROOT / "tests" / "agl" / script), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=agl_env(), cwd=ROOT, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=30)
+        pytest.fail(f"{script} did not finish in {timeout} s:\n{err[-6000:]}")
+    finally:
+        try:  # whatever of the group is left (the script itself has exited by now)
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 0, f"{script} failed:\n{err[-6000:]}"
+    return out
 
 
 def url_with_key(server: Server, key: str) -> str:
