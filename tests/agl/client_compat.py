@@ -18,6 +18,7 @@ from agentlightning.types import (
     EnqueueRolloutRequest,
     PromptTemplate,
     RolloutConfig,
+    Span,
 )
 from opentelemetry.sdk.trace import TracerProvider
 
@@ -74,8 +75,6 @@ async def main(url: str) -> dict:
         check(await store.add_span(stored) is None, "a duplicate span is None")
         second = tracer.start_span("compat.second")
         second.end()
-        from agentlightning.types import Span  # noqa: PLC0415 - AGL's own type, as users do
-
         extra = Span.from_opentelemetry(second, rollout_id=rid, attempt_id=aid, sequence_id=99)
         added_many = await store.add_many_spans([extra])
         check(len(added_many) == 1, "add_many_spans")

@@ -7,8 +7,9 @@ import json
 
 import httpx
 import pytest
+from django.utils import timezone
 
-from store.models import Project
+from store.models import ApiKey, Project
 from tests.api.conftest import Keys, http
 
 
@@ -46,10 +47,6 @@ def test_basic_auth_with_the_key_as_password_works(api_server, keys: Keys):
 
 
 def test_revoked_key_is_401(api_server, keys: Keys):
-    from django.utils import timezone
-
-    from store.models import ApiKey
-
     ApiKey.objects.filter(project=keys.project, role="runner").update(revoked_at=timezone.now())
     with http(api_server, keys.runner) as client:
         assert client.get("/statistics").status_code == 401
