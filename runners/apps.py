@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 from django.apps import AppConfig
+from django.core import checks
 
 from lightning_site.celery import app as celery_app
+from runners.checks import check_settings
 
 
 class RunnersConfig(AppConfig):
@@ -10,5 +12,6 @@ class RunnersConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
+        checks.register(check_settings)
         # Every worker of this app registers itself (host, queues, CPUs, CUDA) and heartbeats.
         celery_app.steps["worker"].add("runners.worker_registry:WorkerRegistryStep")

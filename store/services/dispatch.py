@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.db import transaction
-from django.db.models import F, Q
+from django.db.models import DateTimeField, F, Q, Value
+from django.db.models.functions import Greatest
 from django.utils import timezone
 
 from store.errors import InvalidInput
@@ -46,8 +47,11 @@ def rollout_dispatch_set(
             Rollout.objects.filter(project=project, pk__in=rollout_ids, status__in=QUEUED)
             .values_list("pk", flat=True)
         )
+        # Never before the enqueue time: a batch's enqueue times are spread a microsecond
+        # apart, and "enqueued after its last send" is how a requeued rollout is recognised.
         Rollout.objects.filter(pk__in=ids, status__in=QUEUED).update(
-            dispatch=dispatch, dispatch_target=target, dispatched_at=now,
+            dispatch=dispatch, dispatch_target=target,
+            dispatched_at=Greatest(Value(now, output_field=DateTimeField()), F("enqueue_time")),
             dispatch_count=F("dispatch_count") + 1,
         )
     return [Dispatch(project.pk, rid, dispatch, target) for rid in ids]

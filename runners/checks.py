@@ -1,0 +1,33 @@
+"""System checks: rules between the runners' settings (`manage.py check` reports them)."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.core.checks import Error, Warning
+
+
+def check_settings(app_configs=None, **kwargs) -> list:
+    problems = []
+    heartbeat = settings.RUNNERS_HEARTBEAT_SECONDS
+    unresponsive = settings.RUNNERS_DEFAULT_UNRESPONSIVE_SECONDS
+    if unresponsive and unresponsive <= 2 * heartbeat:
+        problems.append(Error(
+            f"RUNNERS_DEFAULT_UNRESPONSIVE_SECONDS ({unresponsive}) must exceed twice "
+            f"RUNNERS_HEARTBEAT_SECONDS ({heartbeat})",
+            hint="otherwise healthy attempts are marked unresponsive between two heartbeats",
+            id="runners.E001",
+        ))
+    if settings.WORKERS_LOST_AFTER_SECONDS <= 2 * settings.WORKERS_HEARTBEAT_SECONDS:
+        problems.append(Error(
+            f"WORKERS_LOST_AFTER_SECONDS ({settings.WORKERS_LOST_AFTER_SECONDS}) must exceed "
+            f"twice WORKERS_HEARTBEAT_SECONDS ({settings.WORKERS_HEARTBEAT_SECONDS})",
+            hint="otherwise live workers are marked lost between two heartbeats",
+            id="runners.E002",
+        ))
+    if settings.CELERY_BROKER_URL.startswith("memory://") and not settings.EMBEDDED_WORKERS:
+        problems.append(Warning(
+            "CELERY_BROKER_URL is memory:// with DATABASE_URL set: only workers inside the "
+            "sending process (lightning_site.embedded) will ever see its messages",
+            id="runners.W001",
+        ))
+    return problems

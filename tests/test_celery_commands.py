@@ -1,0 +1,74 @@
+"""The runners' commands, settings checks and the reconciler registry."""
+
+from __future__ import annotations
+
+import json
+from io import StringIO
+
+import pytest
+from django.core.management import call_command
+
+from lightning_site import control
+from runners import services
+from runners.checks import check_settings
+from store.models import Span
+from store.services import RolloutSpec
+
+
+@pytest.mark.parametrize("broker", ["redis"], indirect=True)
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_rollouts_enqueue_waits_for_the_batch_and_queue_watch_reports_it(
+    project, broker_url, sending_to, celery_workers
+):
+    celery_workers(queues=["rollouts"], broker_url=broker_url, name="cmd")
+    out = StringIO()
+    call_command("rollouts_enqueue", project.name, "--agent", "tests.celery_agents:ok_agent",
+                 "--input", '{"i": 4}', "--count", "5", "--wait", "--wait-timeout", "120",
+                 stdout=out, stderr=StringIO())
+    assert json.loads(out.getvalue().splitlines()[-1]) == {"succeeded": 5}
+    assert Span.objects.filter(rollout__project=project).count() == 20
+    out = StringIO()
+    call_command("queue_watch", project.name, "--once", stdout=out)
+    text = out.getvalue()
+    assert "queue rollouts: cmd@" in text
+    assert "queue training: - (waiting: no live worker serves queue 'training')" in text
+    assert "succeeded=5" in text
+
+
+@pytest.mark.django_db
+def test_queue_watch_says_why_celery_rollouts_wait(project, django_capture_on_commit_callbacks):
+    with django_capture_on_commit_callbacks():
+        services.rollouts_enqueue_for_celery(
+            project=project, specs=[RolloutSpec(input=1)], agent="a.b:c"
+        )
+    out = StringIO()
+    call_command("queue_watch", project.name, "--once", stdout=out)
+    assert "queuing=1 | live workers: 0 | waiting: no live worker serves queue 'rollouts'" in (
+        out.getvalue()
+    )
+
+
+def test_settings_that_contradict_each_other_are_reported(settings):
+    settings.RUNNERS_HEARTBEAT_SECONDS = 30
+    settings.RUNNERS_DEFAULT_UNRESPONSIVE_SECONDS = 45
+    settings.WORKERS_HEARTBEAT_SECONDS = 40
+    settings.WORKERS_LOST_AFTER_SECONDS = 60
+    assert [p.id for p in check_settings()] == ["runners.E001", "runners.E002"]
+    settings.RUNNERS_DEFAULT_UNRESPONSIVE_SECONDS = 0  # no default limit: nothing to check
+    settings.WORKERS_LOST_AFTER_SECONDS = 120
+    assert check_settings() == []
+
+
+def test_a_failing_reconciler_does_not_stop_the_others():
+    def broken() -> int:
+        raise RuntimeError("bug")
+
+    control.register_reconciler("test_broken", broken)
+    control.register_reconciler("test_ok", lambda: 3)
+    try:
+        counts = control.run_reconcilers()
+    finally:
+        control.unregister_reconciler("test_broken")
+        control.unregister_reconciler("test_ok")
+    assert counts["test_broken"] == -1 and counts["test_ok"] == 3
