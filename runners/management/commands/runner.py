@@ -18,6 +18,8 @@ log = logging.getLogger(__name__)
 
 class Command(BaseCommand):
     help = "Claim rollouts from a store server over HTTP and run them with an agent."
+    # A remote runner has no database or broker: the checks of those settings are not its own.
+    requires_system_checks: list[str] = []
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--server", default=default_server(),
