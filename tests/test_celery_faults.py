@@ -92,3 +92,18 @@ def test_a_deleted_message_is_sent_again_by_beat(project, broker_url, sending_to
     rollout.refresh_from_db()
     assert rollout.dispatch_count >= 2
     assert Attempt.objects.filter(rollout=rollout).count() == 1
+
+
+@pytest.mark.parametrize("broker", ["redis"], indirect=True)
+def test_the_soft_time_limit_fails_the_attempt_with_the_reason(project, broker_url, sending_to,
+                                                               celery_workers):
+    celery_workers(queues=["rollouts"], broker_url=broker_url, concurrency=1,
+                   env={**FAST, "CELERY_TASK_SOFT_TIME_LIMIT": "2"})
+    rollout = runner_services.rollouts_enqueue_for_celery(
+        project=project, specs=[RolloutSpec(input={"seconds": 60})],
+        agent="tests.celery_agents:looping_agent",
+    )[0]
+    wait_until(lambda: Rollout.objects.get(pk=rollout.pk).status == "failed", timeout=60)
+    attempt = Attempt.objects.get(rollout=rollout)
+    assert attempt.status == "failed"
+    assert "SoftTimeLimitExceeded" in attempt.metadata["error"]
