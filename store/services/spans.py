@@ -12,7 +12,7 @@ from django.utils import timezone
 
 from store.errors import InvalidInput, NotFound
 from store.models import Attempt, Project, Rollout, Span
-from store.services._bulk import insert_new
+from store.services._bulk import COPY_THRESHOLD, insert_new
 from store.services._common import attempt_deadline, attempt_filter
 from store.statemachine import AttemptStatus, RolloutConfig, RolloutStatus
 
@@ -42,11 +42,17 @@ def spans_add(
     now = now or timezone.now()
     attempts = _attempts_for(project, spans)
     rows = [_row(span, attempts[(span["rollout_id"], span["attempt_id"])]) for span in spans]
-    with transaction.atomic():
-        # A span already stored (a retry, a concurrent writer) is skipped: identity is
-        # (attempt, span_id), so repeating a post is harmless.
+    due = _heartbeats_due(list(attempts.values()), now)
+    if due or len(rows) >= COPY_THRESHOLD or connection.vendor != "postgresql":
+        with transaction.atomic():
+            # A span already stored (a retry, a concurrent writer) is skipped: identity is
+            # (attempt, span_id), so repeating a post is harmless.
+            inserted = {id(row) for row in insert_new(rows, ["attempt", "span_id"])}
+            _heartbeat(due, now)
+    else:
+        # Nothing to heartbeat and few rows: one INSERT statement, atomic on its own (saves
+        # the BEGIN and COMMIT round trips on the common path of a stream of spans).
         inserted = {id(row) for row in insert_new(rows, ["attempt", "span_id"])}
-        heartbeat(list(attempts.values()), now)
     return [row if id(row) in inserted else None for row in rows]
 
 
@@ -115,6 +121,11 @@ def heartbeat(attempts: list[Attempt], now: datetime) -> None:
     rollout of a latest attempt preparing/requeuing -> running. Never revives an attempt that
     ended (succeeded, failed, timeout), never moves a terminal rollout. Compare-and-swap
     updates, so a concurrent watchdog verdict or runner report is never overwritten."""
+    _heartbeat(_heartbeats_due(attempts, now), now)
+
+
+def _heartbeats_due(attempts: list[Attempt], now: datetime) -> list[Attempt]:
+    """The attempts a heartbeat would change, in pk order (the one lock order)."""
     due = []
     for attempt in sorted(attempts, key=lambda a: a.pk):
         if attempt.status not in _REVIVABLE:
@@ -123,6 +134,10 @@ def heartbeat(attempts: list[Attempt], now: datetime) -> None:
         if attempt.status == AttemptStatus.RUNNING and last and now - last < HEARTBEAT_MIN_INTERVAL:
             continue
         due.append(attempt)
+    return due
+
+
+def _heartbeat(due: list[Attempt], now: datetime) -> None:
     if not due:
         return
     if connection.vendor == "postgresql":
