@@ -24,6 +24,7 @@ from store.errors import NotFound
 from store.models import ApiKey
 from store.services.longpoll import rollout_dequeue_wait
 from store.services.resources import resources_delete
+from store.statemachine import ATTEMPT_FINAL
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 _IDEMPOTENCY_MAX = 180
@@ -239,7 +240,11 @@ class UpdateAttemptView(StoreView):
         attempt = services.attempt_update(
             project=self.project, rollout_id=rollout_id, attempt_id=attempt_id, **data
         )
-        cancelled = selectors.rollout_cancelled_ids(project=self.project, rollout_ids=[rollout_id])
+        cancelled: set[str] = set()
+        if attempt.status not in ATTEMPT_FINAL:  # a runner that gave its verdict is done
+            cancelled = selectors.rollout_cancelled_ids(
+                project=self.project, rollout_ids=[rollout_id]
+            )
         return respond(s.AttemptOut, attempt, cancelled=cancelled)
 
 
