@@ -14,9 +14,8 @@ from tests.celery_fixtures import ROOT
 pytestmark = pytest.mark.slow
 ENQUEUE_ONLY = """
 from runners.services import rollouts_enqueue_for_celery
-from store.models import Project
-from store.services import RolloutSpec
-rollouts_enqueue_for_celery(project=Project.objects.get(name="demo"),
+from store.services import RolloutSpec, project_create
+rollouts_enqueue_for_celery(project=project_create(name="demo"),
     specs=[RolloutSpec(input={"i": 1}) for _ in range(3)], agent="tests.celery_agents:ok_agent")
 """
 
@@ -40,7 +39,6 @@ def counts(tmp_path) -> dict[str, int]:
 
 def test_the_embedded_default_runs_a_batch_end_to_end_on_sqlite(tmp_path):
     manage(tmp_path, "migrate", "-v0")
-    manage(tmp_path, "project_create", "demo")
     # No workers in this process: its in-memory messages die with it, the rows stay queued...
     manage(tmp_path, "shell", "-c", ENQUEUE_ONLY)
     assert counts(tmp_path) == {"queuing": 3, "spans": 0}
