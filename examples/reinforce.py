@@ -38,4 +38,4 @@ class REINFORCE(Algorithm):
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        return Update(state={"model": policy.state_dict()}, metrics={"loss": float(loss)})
+        return Update(state={"model": policy.state_dict()}, metrics={"loss": float(loss.detach())})
