@@ -58,7 +58,8 @@ def line_chart(series: Sequence[Series], *, title: str, width: int = 460, height
         for x, y in s.points:
             parts.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{color}">'
                          f'<title>{escape(s.name)} step {x:g}: {y:.4g}</title></circle>')
-        parts.append(f'<text x="{width - pad_r - 4}" y="{pad_t + 12 + 13 * index}" '
-                     f'font-size="11" text-anchor="end" fill="{color}">{escape(s.name)}</text>')
+        # Legend on the title row, right to left, clear of the plotted lines.
+        parts.append(f'<text x="{width - pad_r - 80 * index}" y="15" font-size="11" '
+                     f'text-anchor="end" fill="{color}">{escape(s.name)}</text>')
     parts.append("</svg>")
     return mark_safe("".join(parts))  # every interpolated text above is escaped
