@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PORTS = range(18000, 18100)
 
 
-def free_port(exclude: set[int] = frozenset()) -> int:
+def free_port(exclude: set[int] | frozenset[int] = frozenset()) -> int:
     for port in PORTS:
         if port in exclude:
             continue
@@ -95,9 +95,23 @@ class Server:
             self.proc.wait(timeout=5)
 
 
+def start_server(**kwargs) -> Server:
+    """A server on a free port; another process may take the port between our check and
+    gunicorn's bind (parallel test sessions), so try a few."""
+    tried: set[int] = set()
+    for _ in range(5):
+        server = Server(free_port(exclude=tried), **kwargs)
+        tried.add(server.port)
+        try:
+            return server.start()
+        except RuntimeError:
+            server.stop()
+    raise RuntimeError(f"gunicorn could not start on any of {sorted(tried)}")
+
+
 @pytest.fixture(scope="session")
 def api_server(django_db_setup: None) -> Iterator[Server]:
-    server = Server(free_port()).start()
+    server = start_server()
     try:
         yield server
     finally:

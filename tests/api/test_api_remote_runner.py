@@ -19,7 +19,7 @@ from django.utils import timezone
 from runners.client import ApiError, StoreClient
 from runners.remote import HttpGateway
 from store.watchdog import sweep
-from tests.api.conftest import ROOT, Keys, Server, free_port
+from tests.api.conftest import ROOT, Keys, Server, start_server
 
 pytestmark = pytest.mark.slow
 TERMINAL = {"succeeded", "failed", "cancelled"}
@@ -128,7 +128,7 @@ def test_remote_runner_completes_rollouts_with_spans_and_rewards(
 
 
 def test_remote_runner_survives_a_server_restart(keys, tmp_path, runners_started, client):
-    server = Server(free_port(exclude={int(client.server.rsplit(":", 1)[1])}), workers=1).start()
+    server = start_server(workers=1)
     try:
         with StoreClient(server.url, keys.algorithm) as own:
             rids = [r["rollout_id"] for r in
