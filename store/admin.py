@@ -5,7 +5,16 @@ from django.urls import reverse
 from django.utils.html import format_html
 
 from store import services
-from store.models import ApiKey, Attempt, Project, ResourceSet, ResourceVersion, Rollout, Span, Worker
+from store.models import (
+    ApiKey,
+    Attempt,
+    Project,
+    ResourceSet,
+    ResourceVersion,
+    Rollout,
+    Span,
+    Worker,
+)
 
 
 class ApiKeyInline(admin.TabularInline):

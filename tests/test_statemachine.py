@@ -3,11 +3,15 @@ import pytest
 from store.errors import InvalidInput
 from store.statemachine import (
     AttemptStatus as A,
+)
+from store.statemachine import (
     RolloutConfig,
-    RolloutStatus as R,
     check_attempt_transition,
     check_rollout_transition,
     rollout_status_for_attempt,
+)
+from store.statemachine import (
+    RolloutStatus as R,
 )
 
 RETRY = RolloutConfig(max_attempts=3, retry_condition=("failed", "timeout", "unresponsive"))
