@@ -226,13 +226,14 @@ def rollouts_wait(
     deadline = time.monotonic() + min(max(timeout or 0.0, 0.0), MAX_WAIT_SECONDS)
     ids = list(dict.fromkeys(rollout_ids))
     # Ids this project does not have never finish: waiting for them would only burn the timeout.
-    known = set(Rollout.objects.filter(project=project, pk__in=ids).values_list("pk", flat=True))
+    known = {pk for pk, _ in _of_project(project, ids, "pk", "status")}
     ids = [rid for rid in ids if rid in known]
     while True:
-        done = list(
-            Rollout.objects.select_related("latest_attempt")
-            .filter(project=project, pk__in=ids, status__in=ROLLOUT_TERMINAL)
-        )
+        done = [
+            r for r in Rollout.objects.select_related("latest_attempt")
+            .filter(pk__in=ids, status__in=ROLLOUT_TERMINAL)
+            if r.project_id == project.pk
+        ]
         remaining = deadline - time.monotonic()
         if len(done) == len(ids) or remaining <= 0:
             order = {rid: i for i, rid in enumerate(ids)}
@@ -243,10 +244,16 @@ def rollouts_wait(
 
 def rollout_cancelled_ids(*, project: Project, rollout_ids: Sequence[str]) -> set[str]:
     """Which of these rollouts were cancelled (runners learn it from their next report)."""
-    return set(
-        Rollout.objects.filter(project=project, pk__in=rollout_ids, status="cancelled")
-        .values_list("pk", flat=True)
-    )
+    return {pk for pk, status in _of_project(project, rollout_ids, "pk", "status")
+            if status == "cancelled"}
+
+
+def _of_project(project: Project, rollout_ids: Sequence[str], *fields: str) -> list[tuple]:
+    """Rows of these rollouts that belong to the project. Looked up by primary key alone:
+    with `project_id = ...` in the query, Postgres may scan the whole project instead (a new
+    project's stale statistics make it look small)."""
+    rows = Rollout.objects.filter(pk__in=list(rollout_ids)).values_list("project_id", *fields)
+    return [row[1:] for row in rows if row[0] == project.pk]
 
 
 def statistics(*, project: Project) -> dict[str, Any]:

@@ -75,11 +75,12 @@ def attempt_update_many(*, project: Project, updates: Sequence[AttemptUpdate]) -
         all_attempts = list(
             Attempt.objects.select_for_update().filter(rollout_id__in=rollout_ids).order_by("pk")
         )
+        # By primary key only: with `project_id = ...` in the query, Postgres may scan the
+        # whole project (a new project's stale statistics look small). Checked below instead.
         rollouts = {
             r.pk: r
-            for r in Rollout.objects.select_for_update()
-            .filter(project=project, pk__in=rollout_ids)
-            .order_by("pk")
+            for r in Rollout.objects.select_for_update().filter(pk__in=rollout_ids).order_by("pk")
+            if r.project_id == project.pk
         }
         attempts = _pick(updates, all_attempts, rollouts)
         finished: list[str] = []

@@ -78,10 +78,11 @@ def _attempts_for(project: Project, spans: Sequence[dict]) -> dict[tuple[str, st
     keys = {(s["rollout_id"], s["attempt_id"]) for s in spans}
     rows = (
         Attempt.objects.select_related("rollout")
-        .filter(rollout__project=project, rollout_id__in={rid for rid, _ in keys})
+        .filter(rollout_id__in={rid for rid, _ in keys})
         .filter(attempt_id__in={aid for _, aid in keys})
     )
-    found = {(a.rollout_id, a.attempt_id): a for a in rows}
+    # The project is checked here, not in SQL: see attempt_update_many.
+    found = {(a.rollout_id, a.attempt_id): a for a in rows if a.rollout.project_id == project.pk}
     for key in sorted(keys):
         if key not in found:
             raise NotFound("attempt", f"{key[0]}/{key[1]}")
