@@ -67,13 +67,7 @@ def insert_new(rows: Sequence[Model], unique: Sequence[str]) -> list[Model]:
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         returned = {tuple(r[1:]): r[0] for r in cursor.fetchall()}
-    inserted = []
-    for row in rows:
-        key = tuple(getattr(row, c) for c in key_columns)
-        if key in returned:
-            row.pk = returned.pop(key)
-            inserted.append(row)
-    return inserted
+    return _with_returned_pks(rows, key_columns, returned)
 
 
 # From this many rows on, COPY into a staging table beats one INSERT with many parameters.
@@ -105,6 +99,11 @@ def _insert_new_copy(model, rows, unique, key_columns, fields) -> list[Model]:
         )
         returned = {tuple(r[1:]): r[0] for r in cursor.fetchall()}
         cursor.execute(f'DELETE FROM "{stage}"')  # a caller may insert twice in one transaction
+    return _with_returned_pks(rows, key_columns, returned)
+
+
+def _with_returned_pks(rows, key_columns, returned: dict[tuple, int]) -> list[Model]:
+    """The rows the INSERT ... RETURNING reported, given their new pks (first of equals)."""
     inserted = []
     for row in rows:
         key = tuple(getattr(row, c) for c in key_columns)
