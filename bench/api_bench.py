@@ -40,20 +40,18 @@ logging.getLogger("httpx").setLevel(logging.WARNING)
 import httpx  # noqa: E402
 import psycopg  # noqa: E402
 from django.conf import settings  # noqa: E402
-from django.core.management import call_command  # noqa: E402
-from django.db import connection  # noqa: E402
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: E402
     ExportTraceServiceRequest,
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue  # noqa: E402
 
+from bench.benchdb import STORE_TABLES, empty_bench_database  # noqa: E402
 from runners.client import StoreClient  # noqa: E402
 from store import services  # noqa: E402
 
 OURS_PORT, AGL_PORT = 18090, 18091
 RUNNERS = 16
-TABLES = ["store_span", "store_attempt", "store_rollout", "store_worker",
-          "store_resourceversion", "store_resourceset", "store_apikey", "store_project"]
+TABLES = STORE_TABLES
 
 
 def prepare_database() -> str:
@@ -61,9 +59,7 @@ def prepare_database() -> str:
     if "bench" not in name:
         sys.exit(f"refusing to empty database {name!r}: its name must contain 'bench'")
     create_database_if_missing(name)
-    call_command("migrate", verbosity=0)
-    with connection.cursor() as cursor:
-        cursor.execute(f"TRUNCATE {', '.join(TABLES)} RESTART IDENTITY CASCADE")
+    empty_bench_database(TABLES)
     project = services.project_create(name="bench")
     return services.api_key_create(project=project, role="admin")[1]
 

@@ -34,10 +34,10 @@ django.setup()
 
 import kombu.pools  # noqa: E402
 import redis  # noqa: E402
-from django.core.management import call_command  # noqa: E402
 from django.db import connection  # noqa: E402
 
 from bench.bench_agents import noop_agent  # noqa: E402
+from bench.benchdb import STORE_TABLES, empty_bench_database  # noqa: E402
 from lightning_site.celery import app  # noqa: E402
 from runners import executor  # noqa: E402
 from runners.local_gateway import LocalGateway  # noqa: E402
@@ -51,14 +51,7 @@ AGENT = "bench.bench_agents:noop_agent"
 
 
 def reset() -> Project:
-    name = connection.settings_dict["NAME"]
-    if connection.vendor != "postgresql" or "bench" not in name:
-        sys.exit(f"refusing to run: database {name!r} must be Postgres and contain 'bench'")
-    call_command("migrate", verbosity=0)
-    with connection.cursor() as cursor:
-        cursor.execute("UPDATE store_rollout SET latest_attempt_id = NULL")
-        cursor.execute("TRUNCATE store_span, store_attempt, store_rollout, store_worker, "
-                       "store_project, runners_celeryworker CASCADE")
+    empty_bench_database(STORE_TABLES + ["runners_celeryworker"])
     return services.project_create(name="celery-bench")
 
 

@@ -28,25 +28,18 @@ import django  # noqa: E402
 
 django.setup()
 
-from django.core.management import call_command  # noqa: E402
 from django.db import connection  # noqa: E402
 
+from bench.benchdb import STORE_TABLES, empty_bench_database  # noqa: E402
 from store import services, watchdog  # noqa: E402
 from store.models import Attempt, Project, Rollout  # noqa: E402
 from store.services import AttemptUpdate, RolloutSpec  # noqa: E402
 
-TABLES = ["store_span", "store_attempt", "store_rollout", "store_worker",
-          "store_resourceversion", "store_resourceset", "store_apikey", "store_project"]
+TABLES = STORE_TABLES
 
 
 def reset() -> None:
-    name = connection.settings_dict["NAME"]
-    if connection.vendor != "postgresql" or "bench" not in name:
-        sys.exit(f"refusing to run: database {name!r} must be Postgres and contain 'bench'")
-    call_command("migrate", verbosity=0)
-    with connection.cursor() as cursor:
-        cursor.execute("UPDATE store_rollout SET latest_attempt_id = NULL")
-        cursor.execute(f"TRUNCATE {', '.join(TABLES)} CASCADE")
+    empty_bench_database(TABLES)
 
 
 def analyze() -> None:
