@@ -88,7 +88,10 @@ class ResourceVersion(models.Model):
 
 class Rollout(models.Model):
     id = models.CharField(primary_key=True, max_length=40, default=new_rollout_id)
-    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="rollouts")
+    # db_index=False here and below: a composite index that leads with the column serves it.
+    project = models.ForeignKey(
+        Project, on_delete=models.CASCADE, related_name="rollouts", db_index=False
+    )
     input = models.JSONField(null=True)
     mode = models.CharField(max_length=8, null=True, blank=True)
     resources_id = models.CharField(max_length=40, null=True, blank=True)
@@ -162,7 +165,9 @@ class Rollout(models.Model):
 class Attempt(models.Model):
     # attempt ids (`at-` + 8 hex) are too short to be unique across millions of attempts, so
     # they are unique per rollout, as AGL addresses them: /rollouts/{rid}/attempts/{aid}.
-    rollout = models.ForeignKey(Rollout, on_delete=models.CASCADE, related_name="attempts")
+    rollout = models.ForeignKey(
+        Rollout, on_delete=models.CASCADE, related_name="attempts", db_index=False
+    )
     attempt_id = models.CharField(max_length=40)
     sequence_id = models.PositiveIntegerField()
     status = models.CharField(
@@ -197,8 +202,16 @@ class Attempt(models.Model):
 
 
 class Span(models.Model):
-    rollout = models.ForeignKey(Rollout, on_delete=models.CASCADE, related_name="spans")
-    attempt = models.ForeignKey(Attempt, on_delete=models.CASCADE, related_name="spans")
+    # Spans are the hot append path: no index of their own on either key (the composite
+    # indexes below lead with them), and no database constraint on the rollout, which is
+    # always the attempt's rollout (the services copy it) and whose attempt is checked.
+    rollout = models.ForeignKey(
+        Rollout, on_delete=models.CASCADE, related_name="spans", db_index=False,
+        db_constraint=False,
+    )
+    attempt = models.ForeignKey(
+        Attempt, on_delete=models.CASCADE, related_name="spans", db_index=False
+    )
     sequence_id = models.IntegerField()
     trace_id = models.CharField(max_length=64)
     span_id = models.CharField(max_length=32)
@@ -230,7 +243,9 @@ class Span(models.Model):
 
 
 class Worker(models.Model):
-    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="workers")
+    project = models.ForeignKey(
+        Project, on_delete=models.CASCADE, related_name="workers", db_index=False
+    )
     worker_id = models.CharField(max_length=200)
     status = models.CharField(
         max_length=16, choices=WorkerStatus.choices, default=WorkerStatus.UNKNOWN
