@@ -1,7 +1,8 @@
 """The one explicit hook from the store to its users (DESIGN.md: the import arrow stays one way).
 
 Other apps register a callback with `on_rollouts_finished`; the store calls it after the
-transaction that made rollouts terminal has committed, with the finished rollouts' ids.
+transaction that made rollouts terminal has committed, with the finished rollouts (the rows as
+that transaction wrote them, so a listener needs no query to learn, say, their keys).
 Callbacks must be quick and must not raise: a failure is logged and the other callbacks run.
 """
 
@@ -9,17 +10,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from django.db import transaction
 
+if TYPE_CHECKING:
+    from store.models import Rollout
+
 log = logging.getLogger(__name__)
 
-FinishedCallback = Callable[[list[str]], None]
+FinishedCallback = Callable[[list["Rollout"]], None]
 _finished_callbacks: list[FinishedCallback] = []
 
 
 def on_rollouts_finished(callback: FinishedCallback) -> FinishedCallback:
-    """Register `callback(rollout_ids)`; usable as a decorator. Registering twice is a no-op."""
+    """Register `callback(rollouts)`; usable as a decorator. Registering twice is a no-op."""
     if callback not in _finished_callbacks:
         _finished_callbacks.append(callback)
     return callback
@@ -30,15 +35,15 @@ def remove_rollouts_finished(callback: FinishedCallback) -> None:
         _finished_callbacks.remove(callback)
 
 
-def notify_rollouts_finished(rollout_ids: Iterable[str]) -> None:
-    ids = list(rollout_ids)
-    if ids and _finished_callbacks:
-        transaction.on_commit(lambda: _call(ids))
+def notify_rollouts_finished(rollouts: Iterable[Rollout]) -> None:
+    finished = list(rollouts)
+    if finished and _finished_callbacks:
+        transaction.on_commit(lambda: _call(finished))
 
 
-def _call(ids: list[str]) -> None:
+def _call(rollouts: list[Rollout]) -> None:
     for callback in list(_finished_callbacks):
         try:
-            callback(ids)
+            callback(rollouts)
         except Exception:  # a listener's bug must not break the store's writer
             log.exception("rollouts-finished callback %r failed", callback)

@@ -102,7 +102,7 @@ def _sweep_attempts(now: datetime, batch_size: int, result: SweepResult) -> int:
                     result.requeued.append(rollout.pk)
                 elif rollout.status == RolloutStatus.FAILED and not was_terminal:
                     result.failed.append(rollout.pk)
-                    finished.append(rollout.pk)
+                    finished.append(rollout)
         bulk_set(attempts, ["status", "end_time", "deadline", "metadata"])
         if changed:
             bulk_set(list(changed.values()), ROLLOUT_FOLLOW_FIELDS)
@@ -140,5 +140,5 @@ def _expire_queue_waits(now: datetime, batch_size: int, result: SweepResult) -> 
             result.queue_expired.append(rollout.pk)
         if rollouts:
             bulk_set(rollouts, ["status", "end_time", "metadata"])
-            hooks.notify_rollouts_finished([r.pk for r in rollouts])
+            hooks.notify_rollouts_finished(rollouts)
     return len(rollouts)

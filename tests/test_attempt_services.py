@@ -145,7 +145,7 @@ def test_rollout_finished_hook_fires_after_commit(project, django_capture_on_com
         rollout, attempt = claim(project)
         with django_capture_on_commit_callbacks(execute=True):
             finish(project, rollout, attempt, "succeeded")
-        assert seen == [rollout.pk]
+        assert [r.pk for r in seen] == [rollout.pk]
     finally:
         hooks.remove_rollouts_finished(seen.extend)
 

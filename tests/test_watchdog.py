@@ -115,6 +115,6 @@ def test_sweep_notifies_finished_rollouts(project, django_capture_on_commit_call
         backdate(attempt, 2)
         with django_capture_on_commit_callbacks(execute=True):
             watchdog.sweep()
-        assert seen == [rollout.pk]
+        assert [r.pk for r in seen] == [rollout.pk]
     finally:
         hooks.remove_rollouts_finished(seen.extend)

@@ -7,13 +7,12 @@ from trainer import services
 from trainer.models import StepStatus, TrainingStep, parse_rollout_key
 
 
-def rollouts_finished(rollout_ids: list[str]) -> None:
-    """Called by the store after commit with rollouts that became terminal. One query maps
-    them to steps; each rolling step is checked (compare-and-swap, so concurrent callers
-    send its train task once)."""
-    keys = Rollout.objects.filter(pk__in=rollout_ids, idempotency_key__startswith="job/")
-    steps = {parsed for key in keys.values_list("idempotency_key", flat=True)
-             if (parsed := parse_rollout_key(key))}
+def rollouts_finished(rollouts: list[Rollout]) -> None:
+    """Called by the store after commit with rollouts that became terminal. Their keys map
+    them to steps (no query for rollouts of no job); each rolling step is checked
+    (compare-and-swap, so concurrent callers send its train task once)."""
+    steps = {parsed for rollout in rollouts
+             if (parsed := parse_rollout_key(rollout.idempotency_key))}
     for job_id, n in sorted(steps):
         step_id = TrainingStep.objects.filter(
             job_id=job_id, n=n, status=StepStatus.ROLLING

@@ -20,7 +20,6 @@ from store.services._common import (
     get_rollout,
     lock_resource_set_shared,
     queue_deadline,
-    worker_mark_dequeued,
     worker_sync_for_attempts,
 )
 from store.statemachine import (
@@ -190,8 +189,6 @@ def rollout_dequeue_many(
     now = timezone.now()
     with transaction.atomic():
         claimed = claim_queued(project, worker_id, limit, now)
-        if worker_id:
-            worker_mark_dequeued(project.pk, worker_id, [a for _, a in claimed], now)
     return claimed
 
 
@@ -203,9 +200,9 @@ def rollout_claim(
     duplicated message finds the rollout claimed and does nothing."""
     now = timezone.now()
     with transaction.atomic():
-        claimed = claim_queued(project, worker_id, 1, now, rollout_id=rollout_id)
-        if claimed and worker_id:
-            worker_mark_dequeued(project.pk, worker_id, [claimed[0][1]], now)
+        claimed = claim_queued(
+            project, worker_id, 1, now, rollout_id=rollout_id, idle_if_none=False
+        )
     return claimed[0] if claimed else None
 
 
@@ -306,7 +303,7 @@ def _apply_rollout_status(rollout: Rollout, status: str, now: datetime, changed:
     if status in ROLLOUT_TERMINAL:
         rollout.end_time = now
         changed.append("end_time")
-        hooks.notify_rollouts_finished([rollout.pk])
+        hooks.notify_rollouts_finished([rollout])
     elif status in QUEUED:
         rollout.enqueue_time = now
         rollout.queue_deadline = queue_deadline(rollout, now)
