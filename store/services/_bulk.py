@@ -1,58 +1,136 @@
-"""Fast multi-row UPDATE. Django's bulk_update builds a CASE per field and row, which costs
-milliseconds of Python per batch; on Postgres we send one `UPDATE ... FROM (VALUES ...)`."""
+"""Fast multi-row writes. Django's bulk_update builds a CASE per field and row, which costs
+milliseconds of Python per batch; on Postgres we send one `UPDATE ... FROM (VALUES ...)`, and
+several such writes can travel as one statement (`write_together`): one round trip."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
+from typing import Any
 
 from django.db import connection
 from django.db.models import Model
 
+from store.services._copy import COPY_THRESHOLD, insert_new_copy, with_returned_pks
+
+Statement = tuple[str, list[Any]]
+
 
 def bulk_set(rows: Sequence[Model], fields: Sequence[str]) -> None:
     """Write `fields` of each (already fetched) row in one statement."""
-    if not rows:
-        return
-    model = type(rows[0])
+    if rows:
+        write_together([Write.set(rows, fields)])
+
+
+class Write:
+    """One multi-row write, run by `write_together`: an UPDATE of fetched rows (`set`) or an
+    INSERT ... ON CONFLICT DO UPDATE (`upsert`)."""
+
+    def __init__(self, rows: Sequence[Model], fields: Sequence[str], unique: Sequence[str] = ()):
+        self.rows, self.fields, self.unique = list(rows), list(fields), list(unique)
+
+    @classmethod
+    def set(cls, rows: Sequence[Model], fields: Sequence[str]) -> Write:
+        return cls(rows, fields)
+
+    @classmethod
+    def upsert(cls, rows: Sequence[Model], unique: Sequence[str], fields: Sequence[str]) -> Write:
+        return cls(rows, fields, unique)
+
+    def run_portable(self) -> None:
+        model = type(self.rows[0])
+        if self.unique:
+            model.objects.bulk_create(self.rows, update_conflicts=True,
+                                      unique_fields=self.unique, update_fields=self.fields)
+        else:
+            model.objects.bulk_update(self.rows, self.fields)
+
+    def statement(self) -> Statement:
+        return self._upsert_sql() if self.unique else self._update_sql()
+
+    def _update_sql(self) -> Statement:
+        meta = type(self.rows[0])._meta
+        pk = meta.pk
+        columns = [meta.get_field(name) for name in self.fields]
+        casts = [pk.db_type(connection)] + [f.db_type(connection) for f in columns]
+        placeholder = "(" + ", ".join(f"%s::{cast}" for cast in casts) + ")"
+        params: list = []
+        for row in self.rows:
+            params.append(pk.get_db_prep_save(row.pk, connection))
+            for field in columns:
+                params.append(field.get_db_prep_save(getattr(row, field.attname), connection))
+        names = ["pk"] + [f"c{i}" for i in range(len(columns))]
+        assignments = ", ".join(f'"{f.column}" = v.c{i}' for i, f in enumerate(columns))
+        sql = (
+            f'UPDATE "{meta.db_table}" AS t SET {assignments} '
+            f'FROM (VALUES {", ".join([placeholder] * len(self.rows))}) '
+            f'AS v({", ".join(names)}) WHERE t."{pk.column}" = v.pk'
+        )
+        return sql, params
+
+    def _upsert_sql(self) -> Statement:
+        meta = type(self.rows[0])._meta
+        fields = [f for f in meta.concrete_fields if not f.primary_key]
+        placeholder = "(" + ", ".join(["%s"] * len(fields)) + ")"
+        params: list = []
+        for row in self.rows:
+            params.extend(f.get_db_prep_save(getattr(row, f.attname), connection) for f in fields)
+        keys = ", ".join(f'"{meta.get_field(name).column}"' for name in self.unique)
+        updates = ", ".join(
+            f'"{column}" = EXCLUDED."{column}"'
+            for column in (meta.get_field(name).column for name in self.fields)
+        )
+        columns = ", ".join(f'"{f.column}"' for f in fields)
+        sql = (
+            f'INSERT INTO "{meta.db_table}" ({columns}) '
+            f'VALUES {", ".join([placeholder] * len(self.rows))} '
+            f"ON CONFLICT ({keys}) DO UPDATE SET {updates}"
+        )
+        return sql, params
+
+
+def write_together(writes: Sequence[Write], last: Statement | None = None) -> list[tuple]:
+    """Run writes that touch different rows, then `last` (Postgres only), returning the
+    rows `last` returns. On Postgres it is one statement (the writes as data-modifying WITH
+    clauses of the last), so one round trip whatever their number."""
+    writes = [w for w in writes if w.rows]
     if connection.vendor != "postgresql":
-        model.objects.bulk_update(rows, fields)
-        return
-    meta = model._meta
-    pk = meta.pk
-    columns = [meta.get_field(name) for name in fields]
-    casts = [pk.db_type(connection)] + [f.db_type(connection) for f in columns]
-    placeholder = "(" + ", ".join(f"%s::{cast}" for cast in casts) + ")"
-    params: list = []
-    for row in rows:
-        params.append(pk.get_db_prep_save(row.pk, connection))
-        for field in columns:
-            params.append(field.get_db_prep_save(getattr(row, field.attname), connection))
-    names = ["pk"] + [f"c{i}" for i in range(len(columns))]
-    assignments = ", ".join(f'"{f.column}" = v.c{i}' for i, f in enumerate(columns))
-    sql = (
-        f'UPDATE "{meta.db_table}" AS t SET {assignments} '
-        f'FROM (VALUES {", ".join([placeholder] * len(rows))}) AS v({", ".join(names)}) '
-        f'WHERE t."{pk.column}" = v.pk'
-    )
+        assert last is None, "a raw statement runs on Postgres only"
+        for write in writes:
+            write.run_portable()
+        return []
+    statements = [w.statement() for w in writes] + ([last] if last else [])
+    if not statements:
+        return []
+    *first, (sql, params) = statements
+    if first:
+        clauses = ", ".join(f"w{i} AS ({text})" for i, (text, _) in enumerate(first))
+        sql = f"WITH {clauses} {sql}"
+        params = [p for _, ps in first for p in ps] + params
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
+        return cursor.fetchall() if last else []
 
 
-def insert_new(rows: Sequence[Model], unique: Sequence[str]) -> list[Model]:
+def insert_new(
+    rows: Sequence[Model], unique: Sequence[str], also: Sequence[Write] = ()
+) -> list[Model]:
     """Insert rows, skipping any whose `unique` fields match a stored row; returns the rows
-    inserted (with their pks). One statement on Postgres: Django 5.2's bulk_create sends
-    JSON through UNNEST arrays, whose escaping costs ~0.3 ms a kilobyte in Python."""
+    inserted (with their pks). The writes `also` run first (same transaction). A small batch
+    on Postgres is one statement with them: Django 5.2's bulk_create sends JSON through
+    UNNEST arrays, whose escaping costs ~0.3 ms a kilobyte in Python; a large one goes
+    through COPY (store/services/_copy.py)."""
     if not rows:
+        write_together(also)
         return []
     model = type(rows[0])
     meta = model._meta
     fields = [f for f in meta.concrete_fields if not f.primary_key]
     key_columns = [meta.get_field(name).attname for name in unique]
-    if connection.vendor != "postgresql":
-        return _insert_new_portable(model, rows, unique, key_columns)
-    if len(rows) >= COPY_THRESHOLD:
-        return _insert_new_copy(model, rows, unique, key_columns, fields)
+    if connection.vendor != "postgresql" or len(rows) >= COPY_THRESHOLD:
+        write_together(also)
+        if connection.vendor != "postgresql":
+            return _insert_new_portable(model, rows, unique, key_columns)
+        return insert_new_copy(model, rows, unique, key_columns, fields)
     placeholder = "(" + ", ".join(["%s"] * len(fields)) + ")"
     params: list = []
     for row in rows:
@@ -64,62 +142,8 @@ def insert_new(rows: Sequence[Model], unique: Sequence[str]) -> list[Model]:
         f'VALUES {", ".join([placeholder] * len(rows))} ON CONFLICT ({keys}) DO NOTHING '
         f'RETURNING "{meta.pk.column}", {keys}'
     )
-    with connection.cursor() as cursor:
-        cursor.execute(sql, params)
-        returned = {tuple(r[1:]): r[0] for r in cursor.fetchall()}
-    return _with_returned_pks(rows, key_columns, returned)
-
-
-# From this many rows on, COPY into a staging table beats one INSERT with many parameters.
-COPY_THRESHOLD = 50
-
-
-def _insert_new_copy(model, rows, unique, key_columns, fields) -> list[Model]:
-    """COPY rows into a per-connection staging table (emptied at commit), then move them
-    with one INSERT ... SELECT ... ON CONFLICT DO NOTHING RETURNING."""
-    meta = model._meta
-    stage = f"stage_{meta.db_table}"
-    columns = ", ".join(f'"{f.column}"' for f in fields)
-    keys = ", ".join(f'"{meta.get_field(n).column}"' for n in unique)
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f'CREATE TEMP TABLE IF NOT EXISTS "{stage}" ON COMMIT DELETE ROWS '
-            f'AS SELECT {columns} FROM "{meta.db_table}" WITH NO DATA'
-        )
-        plan = [(f.attname, f.encoder if f.get_internal_type() == "JSONField" else False)
-                for f in fields]
-        with cursor.cursor.copy(f'COPY "{stage}" ({columns}) FROM STDIN') as copy:
-            for row in rows:
-                values = row.__dict__
-                copy.write_row([_copy_value(values[name], json_encoder)
-                                for name, json_encoder in plan])
-        cursor.execute(
-            f'INSERT INTO "{meta.db_table}" ({columns}) SELECT DISTINCT ON ({keys}) {columns} '
-            f'FROM "{stage}" ON CONFLICT ({keys}) DO NOTHING RETURNING "{meta.pk.column}", {keys}'
-        )
-        returned = {tuple(r[1:]): r[0] for r in cursor.fetchall()}
-        cursor.execute(f'DELETE FROM "{stage}"')  # a caller may insert twice in one transaction
-    return _with_returned_pks(rows, key_columns, returned)
-
-
-def _with_returned_pks(rows, key_columns, returned: dict[tuple, int]) -> list[Model]:
-    """The rows the INSERT ... RETURNING reported, given their new pks (first of equals)."""
-    inserted = []
-    for row in rows:
-        key = tuple(getattr(row, c) for c in key_columns)
-        if key in returned:
-            row.pk = returned.pop(key)
-            inserted.append(row)
-    return inserted
-
-
-def _copy_value(value, json_encoder):
-    """COPY's text for a value; `json_encoder` is False for a column that is not JSON."""
-    if value is None or json_encoder is False:
-        return value
-    if not value and isinstance(value, dict | list):
-        return "{}" if isinstance(value, dict) else "[]"
-    return json.dumps(value, cls=json_encoder)
+    returned = {tuple(r[1:]): r[0] for r in write_together(also, last=(sql, params))}
+    return with_returned_pks(rows, key_columns, returned)
 
 
 def _insert_new_portable(model, rows, unique, key_columns) -> list[Model]:

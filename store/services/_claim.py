@@ -13,21 +13,24 @@ from django.db.models import Q
 from store.ids import new_attempt_id
 from store.models import Attempt, Project, Rollout
 from store.services._bulk import bulk_set
-from store.services._common import attempt_deadline
+from store.services._common import attempt_deadline, worker_mark_dequeued
 from store.statemachine import QUEUED, AttemptStatus, RolloutConfig, RolloutStatus
 
 
 def claim_queued(
     project: Project, worker_id: str | None, limit: int, now: datetime,
-    rollout_id: str | None = None,
+    rollout_id: str | None = None, idle_if_none: bool = True,
 ) -> list[tuple[Rollout, Attempt]]:
     """Claim up to `limit` queued rollouts (or the named one), highest priority then oldest
-    first. Must run inside a transaction."""
+    first, and record the dequeue on the worker (busy with the last rollout claimed; idle
+    when none was, unless `idle_if_none` is False). Must run inside a transaction."""
     if connection.vendor == "postgresql":
-        claimed = _claim_sql(project, worker_id, limit, now, rollout_id)
+        claimed = _claim_sql(project, worker_id, limit, now, rollout_id, idle_if_none)
     else:
         claimed = _claim_orm(project, worker_id, limit, now, rollout_id)
     claimed.sort(key=lambda pair: (-pair[0].priority, pair[0].enqueue_time))
+    if connection.vendor != "postgresql" and worker_id and (claimed or idle_if_none):
+        worker_mark_dequeued(project.pk, worker_id, [a for _, a in claimed], now)
     return claimed
 
 
@@ -82,7 +85,35 @@ _DEADLINE_SQL = (
 )
 
 
-def _claim_sql(project, worker_id, limit, now, rollout_id) -> list[tuple[Rollout, Attempt]]:
+# worker_mark_dequeued in SQL, as the last clause of the claim: the worker is busy with the
+# last rollout claimed (lowest priority, then newest), or idle when none was claimed.
+_WORKER_SQL = """
+    , last AS (
+        SELECT ins.rollout_id, ins.attempt_id FROM ins JOIN picked p ON p.id = ins.rollout_id
+        ORDER BY p.priority, p.enqueue_time DESC LIMIT 1
+    ), worker AS (
+        INSERT INTO store_worker (project_id, worker_id, status, heartbeat_stats,
+            last_heartbeat_time, last_dequeue_time, last_busy_time, last_idle_time,
+            current_rollout_id, current_attempt_id)
+        SELECT %(project)s, %(worker)s,
+            CASE WHEN last.rollout_id IS NULL THEN 'idle' ELSE 'busy' END, NULL, NULL,
+            %(now)s, CASE WHEN last.rollout_id IS NULL THEN NULL ELSE %(now)s END,
+            CASE WHEN last.rollout_id IS NULL THEN %(now)s END,
+            last.rollout_id, last.attempt_id
+        FROM (SELECT 1) one LEFT JOIN last ON true
+        WHERE last.rollout_id IS NOT NULL OR %(idle_if_none)s
+        ON CONFLICT (project_id, worker_id) DO UPDATE SET status = EXCLUDED.status,
+            last_dequeue_time = EXCLUDED.last_dequeue_time,
+            last_busy_time = COALESCE(EXCLUDED.last_busy_time, store_worker.last_busy_time),
+            last_idle_time = COALESCE(EXCLUDED.last_idle_time, store_worker.last_idle_time),
+            current_rollout_id = EXCLUDED.current_rollout_id,
+            current_attempt_id = EXCLUDED.current_attempt_id
+    )
+"""
+
+
+def _claim_sql(project, worker_id, limit, now, rollout_id, idle_if_none
+               ) -> list[tuple[Rollout, Attempt]]:
     given = {
         "rollout_id": "p.id",
         "attempt_id": "'at-' || substr(md5(random()::text || clock_timestamp()::text || p.id),"
@@ -94,7 +125,7 @@ def _claim_sql(project, worker_id, limit, now, rollout_id) -> list[tuple[Rollout
         "deadline": _DEADLINE_SQL,
     }
     params = {"project": project.pk, "now": now, "worker": worker_id, "limit": limit,
-              "rid": rollout_id}
+              "rid": rollout_id, "idle_if_none": idle_if_none}
     columns, values = [], []
     for field in Attempt._meta.concrete_fields:
         if field.primary_key:
@@ -109,7 +140,7 @@ def _claim_sql(project, worker_id, limit, now, rollout_id) -> list[tuple[Rollout
     only = "AND id = %(rid)s" if rollout_id else ""
     sql = f"""
         WITH picked AS (
-            SELECT id, attempt_count, config FROM store_rollout
+            SELECT id, attempt_count, config, priority, enqueue_time FROM store_rollout
             WHERE project_id = %(project)s AND status IN ('queuing', 'requeuing')
               AND (queue_deadline IS NULL OR queue_deadline > %(now)s) {only}
             ORDER BY priority DESC, enqueue_time LIMIT %(limit)s
@@ -123,7 +154,7 @@ def _claim_sql(project, worker_id, limit, now, rollout_id) -> list[tuple[Rollout
                 attempt_count = ins.sequence_id, queue_deadline = NULL
             FROM ins WHERE r.id = ins.rollout_id
             RETURNING r.*
-        )
+        ) {_WORKER_SQL if worker_id else ""}
         SELECT {rollout_columns}, ins.id AS claim_attempt_pk,
             ins.attempt_id AS claim_attempt_id, ins.sequence_id AS claim_sequence_id,
             ins.deadline AS claim_deadline

@@ -9,6 +9,7 @@ from django.db.models import F, Q
 
 from store.errors import NotFound
 from store.models import Attempt, Project, Rollout, Worker
+from store.services._bulk import Write, write_together
 from store.statemachine import (
     ATTEMPT_ENDED,
     ATTEMPT_LOST,
@@ -77,6 +78,12 @@ ROLLOUT_FOLLOW_FIELDS = ["status", "end_time", "enqueue_time", "queue_deadline"]
 
 
 def worker_sync_for_attempts(project_id: int, attempts: list[Attempt], now: datetime) -> None:
+    write_together(worker_writes_for_attempts(project_id, attempts, now))
+
+
+def worker_writes_for_attempts(
+    project_id: int, attempts: list[Attempt], now: datetime
+) -> list[Write]:
     """AGL's worker bookkeeping: finished -> idle, lost -> unknown, otherwise busy."""
     rows: dict[str, Worker] = {}
     for attempt in attempts:
@@ -92,7 +99,7 @@ def worker_sync_for_attempts(project_id: int, attempts: list[Attempt], now: date
             worker.current_rollout_id = attempt.rollout_id
             worker.current_attempt_id = attempt.attempt_id
         rows[attempt.worker_id] = worker
-    _upsert_workers(list(rows.values()))
+    return _worker_upserts(list(rows.values()))
 
 
 def worker_mark_dequeued(
@@ -105,12 +112,10 @@ def worker_mark_dequeued(
         worker.current_rollout_id, worker.current_attempt_id = last.rollout_id, last.attempt_id
     else:
         worker.status, worker.last_idle_time = WorkerStatus.IDLE, now
-    _upsert_workers([worker], extra=["last_dequeue_time"])
+    write_together(_worker_upserts([worker], extra=["last_dequeue_time"]))
 
 
-def _upsert_workers(workers: list[Worker], extra: list[str] = ()) -> None:
-    if not workers:
-        return
+def _worker_upserts(workers: list[Worker], extra: list[str] = ()) -> list[Write]:
     workers.sort(key=lambda w: w.worker_id)  # one lock order for every writer
     busy = [w for w in workers if w.status == WorkerStatus.BUSY]
     idle = [w for w in workers if w.status == WorkerStatus.IDLE]
@@ -120,14 +125,10 @@ def _upsert_workers(workers: list[Worker], extra: list[str] = ()) -> None:
         (idle, ["status", "last_idle_time", "current_rollout_id", "current_attempt_id"]),
         (lost, ["status"]),
     ]
-    for group, fields in groups:
-        if group:
-            Worker.objects.bulk_create(
-                group,
-                update_conflicts=True,
-                unique_fields=["project", "worker_id"],
-                update_fields=fields + list(extra),
-            )
+    return [
+        Write.upsert(group, ["project", "worker_id"], fields + list(extra))
+        for group, fields in groups if group
+    ]
 
 
 def get_rollout(project: Project, rollout_id: str, *, lock: bool = False) -> Rollout:
@@ -169,4 +170,5 @@ __all__ = [
     "set_attempt_status",
     "worker_mark_dequeued",
     "worker_sync_for_attempts",
+    "worker_writes_for_attempts",
 ]

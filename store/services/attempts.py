@@ -13,13 +13,13 @@ from django.utils import timezone
 from store import hooks
 from store.errors import IllegalTransition, InvalidInput, NotFound
 from store.models import Attempt, Project, Rollout
-from store.services._bulk import bulk_set
+from store.services._bulk import Write, write_together
 from store.services._common import (
     ROLLOUT_FOLLOW_FIELDS,
     attempt_deadline,
     follow_latest_attempt,
     set_attempt_status,
-    worker_sync_for_attempts,
+    worker_writes_for_attempts,
 )
 from store.statemachine import (
     ATTEMPT_LIVE,
@@ -71,19 +71,9 @@ def attempt_update_many(*, project: Project, updates: Sequence[AttemptUpdate]) -
     now = timezone.now()
     rollout_ids = {u.rollout_id for u in updates}
     with transaction.atomic():
-        # Lock order for every writer: attempts first, then their rollouts.
-        all_attempts = list(
-            Attempt.objects.select_for_update().filter(rollout_id__in=rollout_ids).order_by("pk")
-        )
-        # By primary key only: with `project_id = ...` in the query, Postgres may scan the
-        # whole project (a new project's stale statistics look small). Checked below instead.
-        rollouts = {
-            r.pk: r
-            for r in Rollout.objects.select_for_update().filter(pk__in=rollout_ids).order_by("pk")
-            if r.project_id == project.pk
-        }
+        all_attempts, rollouts = _lock(project, rollout_ids)
         attempts = _pick(updates, all_attempts, rollouts)
-        finished: list[str] = []
+        finished: list[Rollout] = []
         changed_rollouts: dict[str, Rollout] = {}
         for update, attempt in zip(updates, attempts, strict=True):
             rollout = rollouts[attempt.rollout_id]
@@ -92,16 +82,36 @@ def attempt_update_many(*, project: Project, updates: Sequence[AttemptUpdate]) -
             if follow_latest_attempt(rollout, attempt, now):
                 changed_rollouts[rollout.pk] = rollout
                 if not was_terminal and rollout.status in ROLLOUT_TERMINAL:
-                    finished.append(rollout.pk)
-        bulk_set(
-            attempts,
-            ["status", "end_time", "worker_id", "last_heartbeat_time", "metadata", "deadline"],
-        )
-        if changed_rollouts:
-            bulk_set(list(changed_rollouts.values()), ROLLOUT_FOLLOW_FIELDS)
-        worker_sync_for_attempts(project.pk, attempts, now)
+                    finished.append(rollout)
+        # One round trip on Postgres for the attempts, their rollouts and their workers.
+        write_together([
+            Write.set(attempts, ["status", "end_time", "worker_id", "last_heartbeat_time",
+                                 "metadata", "deadline"]),
+            Write.set(list(changed_rollouts.values()), ROLLOUT_FOLLOW_FIELDS),
+            *worker_writes_for_attempts(project.pk, attempts, now),
+        ])
         hooks.notify_rollouts_finished(finished)
     return attempts
+
+
+def _lock(project: Project, rollout_ids: set[str]) -> tuple[list[Attempt], dict[str, Rollout]]:
+    """Lock every attempt of the rollouts and the rollouts themselves, in one statement.
+    Rows lock in attempt pk order, each rollout right after its first attempt: the order
+    attempts -> rollouts that every writer keeps (see store/watchdog.py)."""
+    rows = list(
+        Attempt.objects.select_related("rollout")
+        .select_for_update(of=("self", "rollout"), no_key=True)
+        .filter(rollout_id__in=rollout_ids)
+        .order_by("pk")
+    )
+    rollouts: dict[str, Rollout] = {}
+    for attempt in rows:
+        # One instance per rollout, shared by its attempts. By primary key only: with
+        # `project_id = ...` in the query, Postgres may scan the whole project (a new
+        # project's stale statistics look small), so the project is checked here.
+        attempt.rollout = rollouts.setdefault(attempt.rollout_id, attempt.rollout)
+    mine = {pk: r for pk, r in rollouts.items() if r.project_id == project.pk}
+    return rows, mine
 
 
 def _pick(
