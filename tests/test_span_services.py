@@ -148,3 +148,37 @@ def test_large_batches_with_duplicates_store_each_span_once(project):
     assert second[0] is None and second[-1] is None
     assert Span.objects.count() == 300
     assert all(row.pk for row in second if row is not None)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_copy_that_loses_a_race_falls_back_and_stores_each_span_once(project, monkeypatch):
+    """Another writer commits one of our spans after our duplicate check and before our
+    COPY: the COPY fails on the unique key, is rolled back to its savepoint, and the staged
+    INSERT ... ON CONFLICT path stores the rest; the caller's transaction survives."""
+    from django.db import connection
+
+    from store.services import _copy
+
+    enqueue(project, 1)
+    rollout, attempt = claim(project)
+    batch = [span(rollout, attempt, n) for n in range(60)]
+    check = _copy._fresh_with_pks
+
+    def racing_check(model, rows, unique, key_columns):
+        fresh = check(model, rows, unique, key_columns)
+        params = dict(connection.get_connection_params())
+        with connection.Database.connect(**params, autocommit=True) as other:
+            other.execute(
+                "INSERT INTO store_span (rollout_id, attempt_id, sequence_id, trace_id, span_id,"
+                " name, status, attributes, events, links, resource, extra) VALUES (%s, %s, 7,"
+                " 't', %s, 'theirs', '{}', '{}', '[]', '[]', '{}', '{}')",
+                [rollout.pk, attempt.pk, f"{7:016x}"],
+            )
+        return fresh
+
+    monkeypatch.setattr(_copy, "_fresh_with_pks", racing_check)
+    result = services.spans_add(project=project, spans=batch)
+    assert result[7] is None and sum(1 for row in result if row is not None) == 59
+    assert Span.objects.filter(attempt=attempt).count() == 60
+    assert Span.objects.get(attempt=attempt, span_id=f"{7:016x}").name == "theirs"
+    assert all(row.pk for row in result if row is not None)

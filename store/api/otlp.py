@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import json
 import zlib
-from collections import Counter
 from typing import Any
 
 from django.http import HttpResponse, JsonResponse
@@ -33,12 +32,11 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from rest_framework.parsers import BaseParser
 from rest_framework.request import Request
 
-from store import selectors, services
+from store import services
 from store.api import limits
 from store.api.base import CANCELLED_HEADER, StoreView
 from store.api.errors import PayloadTooLarge, UnsupportedMediaType
 from store.api.serializers import check_span_sizes
-from store.services.spans import span_sequence_ids_reserve
 
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
@@ -212,18 +210,6 @@ def _span(proto: Any, attrs: dict[str, Any], resource: dict[str, Any], rollout_i
     }
 
 
-def assign_sequence_ids(project: Any, spans: list[dict[str, Any]]) -> None:
-    """Give spans without a sequence id the next ids of their attempt (one statement)."""
-    missing = Counter((span["rollout_id"], span["attempt_id"])
-                      for span in spans if span["sequence_id"] is None)
-    next_id = span_sequence_ids_reserve(project=project, counts=dict(missing))
-    for span in spans:
-        if span["sequence_id"] is None:
-            key = (span["rollout_id"], span["attempt_id"])
-            span["sequence_id"] = next_id[key]
-            next_id[key] += 1
-
-
 def otlp_response(message: Message, kind: str, status: int = 200) -> HttpResponse:
     if kind == PROTOBUF:
         return HttpResponse(message.SerializeToString(), status=status, content_type=PROTOBUF)
@@ -275,9 +261,8 @@ class OtlpTracesView(OtlpView):
             raise PayloadTooLarge(f"more than {limits.MAX_SPANS_PER_REQUEST} spans")
         for span in spans:
             check_span_sizes(span)
-        if spans:
-            assign_sequence_ids(self.project, spans)
-            services.spans_add(project=self.project, spans=spans)
+        # Spans without agentlightning.span_sequence_id get their attempt's next ids.
+        cancelled = services.spans_ingest(project=self.project, spans=spans).cancelled
         reply = ExportTraceServiceResponse()
         if rejected:
             reply.partial_success.rejected_spans = rejected
@@ -285,9 +270,6 @@ class OtlpTracesView(OtlpView):
                 f"{rejected} spans lack {ROLLOUT_ID} or {ATTEMPT_ID}"
             )
         response = otlp_response(reply, kind)
-        cancelled = selectors.rollout_cancelled_ids(
-            project=self.project, rollout_ids={span["rollout_id"] for span in spans}
-        )
         if cancelled:
             response[CANCELLED_HEADER] = ",".join(sorted(cancelled))
         return response

@@ -24,7 +24,7 @@ from store.errors import NotFound
 from store.models import ApiKey
 from store.services.longpoll import rollout_dequeue_wait
 from store.services.resources import resources_delete
-from store.statemachine import ATTEMPT_FINAL
+from store.statemachine import ATTEMPT_FINAL, RolloutStatus
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 _IDEMPOTENCY_MAX = 180
@@ -242,10 +242,13 @@ class UpdateAttemptView(StoreView):
         )
         cancelled: set[str] = set()
         if attempt.status not in ATTEMPT_FINAL:  # a runner that gave its verdict is done
-            cancelled = selectors.rollout_cancelled_ids(
-                project=self.project, rollout_ids=[rollout_id]
-            )
+            cancelled = _cancelled([attempt])
         return respond(s.AttemptOut, attempt, cancelled=cancelled)
+
+
+def _cancelled(attempts: list) -> set[str]:
+    """Cancelled rollouts among the attempts' (as the update's transaction read them)."""
+    return {a.rollout_id for a in attempts if a.rollout.status == RolloutStatus.CANCELLED}
 
 
 class UpdateAttemptsBatchView(StoreView):
@@ -258,9 +261,7 @@ class UpdateAttemptsBatchView(StoreView):
         items = self.body(s.AttemptBatchIn)["updates"]
         updates = [services.AttemptUpdate(**item) for item in items]
         attempts = services.attempt_update_many(project=self.project, updates=updates)
-        cancelled = selectors.rollout_cancelled_ids(
-            project=self.project, rollout_ids={item["rollout_id"] for item in items}
-        )
+        cancelled = _cancelled(attempts)
         result = {"attempts": attempts, "cancelled_rollout_ids": sorted(cancelled)}
         return respond(s.AttemptBatchOut, result, cancelled=cancelled)
 
@@ -403,11 +404,8 @@ class AddSpanView(StoreView):
     def post(self, request: Request) -> Response:
         data = request.data
         span = s.SpanField().run_validation({} if data is None else data)
-        row = services.span_add(project=self.project, span=span)
-        cancelled = selectors.rollout_cancelled_ids(
-            project=self.project, rollout_ids=[span["rollout_id"]]
-        )
-        return respond(s.SpanOut, row, status=201, cancelled=cancelled)
+        ingested = services.spans_ingest(project=self.project, spans=[span])
+        return respond(s.SpanOut, ingested.rows[0], status=201, cancelled=ingested.cancelled)
 
 
 class AddSpanBatchView(StoreView):
@@ -420,9 +418,8 @@ class AddSpanBatchView(StoreView):
         if isinstance(raw, list) and len(raw) > limits.MAX_SPANS_PER_REQUEST:
             raise PayloadTooLarge(f"more than {limits.MAX_SPANS_PER_REQUEST} spans")
         spans = self.body(s.SpanBatchIn)["spans"]
-        rows = services.spans_add(project=self.project, spans=spans) if spans else []
-        rollout_ids = {span["rollout_id"] for span in spans}
-        cancelled = selectors.rollout_cancelled_ids(project=self.project, rollout_ids=rollout_ids)
+        ingested = services.spans_ingest(project=self.project, spans=spans)
+        rows, cancelled = ingested.rows, ingested.cancelled
         added = sum(1 for row in rows if row is not None)
         result = {"added": added, "duplicates": len(rows) - added,
                   "cancelled_rollout_ids": sorted(cancelled)}

@@ -20,7 +20,13 @@ from store.services.rollouts import (
     rollout_start,
     rollout_update,
 )
-from store.services.spans import span_add, span_next_sequence_id, spans_add
+from store.services.spans import (
+    SpansIngested,
+    span_add,
+    span_next_sequence_id,
+    spans_add,
+    spans_ingest,
+)
 from store.services.workers import worker_update
 
 __all__ = [
@@ -48,6 +54,8 @@ __all__ = [
     "rollout_update",
     "span_add",
     "span_next_sequence_id",
+    "spans_ingest",
+    "SpansIngested",
     "spans_add",
     "worker_update",
 ]

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import connection, transaction
+from django.db import transaction
 from django.db.models import F
+from django.db.models.base import ModelState
 from django.utils import timezone
 
 from store.errors import InvalidInput, NotFound
 from store.models import Attempt, Project, Rollout, Span
-from store.services._bulk import COPY_THRESHOLD, insert_new
+from store.services._bulk import Write, insert_new
 from store.services._common import attempt_deadline, attempt_filter
 from store.statemachine import AttemptStatus, RolloutConfig, RolloutStatus
 
@@ -37,23 +39,44 @@ def spans_add(
 ) -> list[Span | None]:
     """Add spans in one batched insert; returns the new rows, None where a span was a
     duplicate. Each attempt that received a span gets a heartbeat."""
+    return spans_ingest(project=project, spans=spans, now=now).rows
+
+
+@dataclass
+class SpansIngested:
+    rows: list[Span | None]  # per span: the new row, or None for a duplicate
+    cancelled: set[str]  # ids of the spans' rollouts that are cancelled (tell the runner)
+
+
+def spans_ingest(
+    *, project: Project, spans: Sequence[dict[str, Any]], now: datetime | None = None
+) -> SpansIngested:
+    """`spans_add`, for the API: a span whose `sequence_id` is None gets its attempt's next
+    id (reserved in the same transaction), and the answer says which rollouts are cancelled.
+
+    On Postgres a small batch is two statements and a commit: lock the attempts (with their
+    rollouts' state), then one statement that writes the attempts (sequence ids, heartbeat)
+    and inserts the spans. A stored span is skipped, not an error: identity is (attempt,
+    span_id), so repeating a post is harmless."""
     for index, span in enumerate(spans):
         _validate(span, index)
     now = now or timezone.now()
-    attempts = _attempts_for(project, spans)
-    rows = [_row(span, attempts[(span["rollout_id"], span["attempt_id"])]) for span in spans]
-    due = _heartbeats_due(list(attempts.values()), now)
-    if due or len(rows) >= COPY_THRESHOLD or connection.vendor != "postgresql":
-        with transaction.atomic():
-            # A span already stored (a retry, a concurrent writer) is skipped: identity is
-            # (attempt, span_id), so repeating a post is harmless.
-            inserted = {id(row) for row in insert_new(rows, ["attempt", "span_id"])}
-            _heartbeat(due, now)
-    else:
-        # Nothing to heartbeat and few rows: one INSERT statement, atomic on its own (saves
-        # the BEGIN and COMMIT round trips on the common path of a stream of spans).
-        inserted = {id(row) for row in insert_new(rows, ["attempt", "span_id"])}
-    return [row if id(row) in inserted else None for row in rows]
+    with transaction.atomic():
+        attempts = _attempts_for(project, spans)
+        reserved = _assign_sequence_ids(spans, attempts)
+        rows = [_row(span, attempts[(span["rollout_id"], span["attempt_id"])]) for span in spans]
+        due = _heartbeats_due(list(attempts.values()), now)
+        for attempt in due:
+            attempt.status, attempt.last_heartbeat_time = AttemptStatus.RUNNING, now
+            attempt.deadline = _deadline(attempt, now)
+        touched = sorted({a.pk: a for a in reserved + due}.values(), key=lambda a: a.pk)
+        write = Write.set(touched, ["status", "last_heartbeat_time", "deadline",
+                                    "next_span_sequence_id"])
+        inserted = {id(row) for row in insert_new(rows, ["attempt", "span_id"], also=[write])}
+        _rollouts_running([a for a in due if a.rollout.latest_attempt_id == a.pk])
+    cancelled = {a.rollout_id for a in attempts.values()
+                 if a.rollout.status == RolloutStatus.CANCELLED}
+    return SpansIngested([row if id(row) in inserted else None for row in rows], cancelled)
 
 
 def _validate(span: Any, index: int) -> None:
@@ -63,8 +86,8 @@ def _validate(span: Any, index: int) -> None:
         if not isinstance(span.get(name), str) or not span[name]:
             raise InvalidInput(f"spans[{index}].{name}", "must be a non-empty string")
     seq = span.get("sequence_id")
-    if isinstance(seq, bool) or not isinstance(seq, int):
-        raise InvalidInput(f"spans[{index}].sequence_id", "must be an integer")
+    if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int)):
+        raise InvalidInput(f"spans[{index}].sequence_id", "must be an integer or null")
     for name in ("attributes", "resource"):
         if span.get(name) is not None and not isinstance(span[name], dict):
             raise InvalidInput(f"spans[{index}].{name}", "must be an object")
@@ -75,11 +98,15 @@ def _validate(span: Any, index: int) -> None:
 
 
 def _attempts_for(project: Project, spans: Sequence[dict]) -> dict[tuple[str, str], Attempt]:
+    """The spans' attempts, locked in pk order (the one lock order) with their rollouts' state
+    (not locked: rollouts are only written by compare-and-swap here)."""
     keys = {(s["rollout_id"], s["attempt_id"]) for s in spans}
     rows = (
         Attempt.objects.select_related("rollout")
+        .select_for_update(of=("self",), no_key=True)
         .filter(rollout_id__in={rid for rid, _ in keys})
         .filter(attempt_id__in={aid for _, aid in keys})
+        .order_by("pk")
     )
     # The project is checked here, not in SQL: see attempt_update_many.
     found = {(a.rollout_id, a.attempt_id): a for a in rows if a.rollout.project_id == project.pk}
@@ -87,9 +114,6 @@ def _attempts_for(project: Project, spans: Sequence[dict]) -> dict[tuple[str, st
         if key not in found:
             raise NotFound("attempt", f"{key[0]}/{key[1]}")
     return {key: found[key] for key in keys}
-
-
-_ATTNAMES = [f.attname for f in Span._meta.concrete_fields]
 
 
 def _row(span: dict[str, Any], attempt: Attempt) -> Span:
@@ -113,22 +137,35 @@ def _row(span: dict[str, Any], attempt: Attempt) -> Span:
         "resource": span.get("resource") or {"attributes": {}, "schema_url": ""},
         "extra": {k: v for k, v in span.items() if k not in _KNOWN},
     }
-    # Positional construction skips Django's per-keyword checks: a third of the ingest cost.
-    return Span(*[values[name] for name in _ATTNAMES])
+    # Filling the instance's dict directly skips Django's per-field descriptors in
+    # Model.__init__, which cost more than the rest of building the row.
+    row = Span.__new__(Span)
+    row._state = ModelState()
+    row.__dict__.update(values)
+    return row
 
 
-def heartbeat(attempts: list[Attempt], now: datetime) -> None:
-    """AGL: a span is its attempt's heartbeat. preparing/unresponsive -> running, and the
-    rollout of a latest attempt preparing/requeuing -> running. Never revives an attempt that
-    ended (succeeded, failed, timeout), never moves a terminal rollout. Compare-and-swap
-    updates, so a concurrent watchdog verdict or runner report is never overwritten."""
-    _heartbeat(_heartbeats_due(attempts, now), now)
+def _assign_sequence_ids(
+    spans: Sequence[dict[str, Any]], attempts: dict[tuple[str, str], Attempt]
+) -> list[Attempt]:
+    """Give spans without a sequence id their attempt's next ids (the attempt rows are locked);
+    returns the attempts whose counter moved."""
+    moved: dict[int, Attempt] = {}
+    for span in spans:
+        if span.get("sequence_id") is None:
+            attempt = attempts[(span["rollout_id"], span["attempt_id"])]
+            span["sequence_id"] = attempt.next_span_sequence_id
+            attempt.next_span_sequence_id += 1
+            moved[attempt.pk] = attempt
+    return list(moved.values())
 
 
 def _heartbeats_due(attempts: list[Attempt], now: datetime) -> list[Attempt]:
-    """The attempts a heartbeat would change, in pk order (the one lock order)."""
+    """AGL: a span is its attempt's heartbeat. preparing/unresponsive -> running; never
+    revives an attempt that ended (succeeded, failed, timeout). A running attempt is
+    rewritten at most once per HEARTBEAT_MIN_INTERVAL."""
     due = []
-    for attempt in sorted(attempts, key=lambda a: a.pk):
+    for attempt in attempts:
         if attempt.status not in _REVIVABLE:
             continue
         last = attempt.last_heartbeat_time
@@ -138,14 +175,9 @@ def _heartbeats_due(attempts: list[Attempt], now: datetime) -> list[Attempt]:
     return due
 
 
-def _heartbeat(due: list[Attempt], now: datetime) -> None:
-    if not due:
-        return
-    if connection.vendor == "postgresql":
-        moved = _heartbeat_batch(due, now)
-    else:
-        moved = {a.pk for a in due if _heartbeat_one(a, now)}
-    latest = [a for a in due if a.pk in moved and a.rollout.latest_attempt_id == a.pk]
+def _rollouts_running(latest: list[Attempt]) -> None:
+    """The rollout of a latest attempt that had a heartbeat: preparing/requeuing -> running.
+    Compare-and-swap (the rollout is not locked), so a terminal rollout never moves."""
     if latest:
         Rollout.objects.filter(
             pk__in=[a.rollout_id for a in latest],
@@ -156,36 +188,6 @@ def _heartbeat(due: list[Attempt], now: datetime) -> None:
 
 def _deadline(attempt: Attempt, now: datetime) -> datetime | None:
     return attempt_deadline(RolloutConfig.parse(attempt.rollout.config), attempt.start_time, now)
-
-
-def _heartbeat_one(attempt: Attempt, now: datetime) -> bool:
-    return bool(Attempt.objects.filter(pk=attempt.pk, status__in=_REVIVABLE).update(
-        status=AttemptStatus.RUNNING, last_heartbeat_time=now, deadline=_deadline(attempt, now),
-    ))
-
-
-def _heartbeat_batch(due: list[Attempt], now: datetime) -> set[int]:
-    """Two statements for the whole batch (a span batch may touch hundreds of attempts):
-    lock the rows in pk order (the one lock order of every writer), then one compare-and-swap
-    UPDATE ... FROM (VALUES ...); returns the pks it moved."""
-    table = Attempt._meta.db_table
-    pks = [a.pk for a in due]
-    values = ", ".join(["(%s::bigint, %s::timestamptz)"] * len(due))
-    params: list[Any] = [now]
-    for attempt in due:
-        params += [attempt.pk, _deadline(attempt, now)]
-    with transaction.atomic(savepoint=False), connection.cursor() as cursor:
-        cursor.execute(
-            f'SELECT id FROM "{table}" WHERE id = ANY(%s) ORDER BY id FOR UPDATE', [pks]
-        )
-        cursor.execute(
-            f'UPDATE "{table}" AS t SET status = \'running\', last_heartbeat_time = %s, '
-            f"deadline = v.deadline FROM (VALUES {values}) AS v(pk, deadline) "
-            f"WHERE t.id = v.pk AND t.status IN ('preparing', 'running', 'unresponsive') "
-            f"RETURNING t.id",
-            params,
-        )
-        return {row[0] for row in cursor.fetchall()}
 
 
 def span_next_sequence_id(
@@ -204,41 +206,3 @@ def span_next_sequence_id(
         # The row stays locked by our update until commit, so this read is ours alone.
         after = row.values_list("next_span_sequence_id", flat=True)
         return after.get() - count
-
-
-def span_sequence_ids_reserve(
-    *, project: Project, counts: dict[tuple[str, str], int]
-) -> dict[tuple[str, str], int]:
-    """Reserve `count` span sequence ids for each (rollout id, attempt id) in one statement
-    (OTLP ingest: spans that carry no sequence id); returns the first id of each."""
-    if not counts:
-        return {}
-    if any(count < 1 for count in counts.values()):
-        raise InvalidInput("count", "must be >= 1")
-    if connection.vendor != "postgresql":
-        return {
-            key: span_next_sequence_id(project=project, rollout_id=key[0], attempt_id=key[1],
-                                       count=count)
-            for key, count in counts.items()
-        }
-    keys = sorted(counts)
-    values = ", ".join(["(%s, %s, %s::integer)"] * len(keys))
-    params: list[Any] = []
-    for rollout_id, attempt_id in keys:
-        params += [rollout_id, attempt_id, counts[(rollout_id, attempt_id)]]
-    params.append(project.pk)
-    attempt, rollout = Attempt._meta.db_table, Rollout._meta.db_table
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f'UPDATE "{attempt}" AS t SET next_span_sequence_id = t.next_span_sequence_id + v.n '
-            f'FROM (VALUES {values}) AS v(rid, aid, n), "{rollout}" AS r '
-            f"WHERE t.rollout_id = v.rid AND t.attempt_id = v.aid AND r.id = t.rollout_id "
-            f"AND r.project_id = %s RETURNING t.rollout_id, t.attempt_id, "
-            f"t.next_span_sequence_id - v.n",
-            params,
-        )
-        first = {(row[0], row[1]): row[2] for row in cursor.fetchall()}
-    for key in keys:
-        if key not in first:
-            raise NotFound("attempt", f"{key[0]}/{key[1]}")
-    return first
