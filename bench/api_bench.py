@@ -38,7 +38,6 @@ django.setup()
 logging.getLogger("httpx").setLevel(logging.WARNING)
 
 import httpx  # noqa: E402
-import psycopg  # noqa: E402
 from django.conf import settings  # noqa: E402
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: E402
     ExportTraceServiceRequest,
@@ -58,20 +57,9 @@ def prepare_database() -> str:
     name = settings.DATABASES["default"]["NAME"]
     if "bench" not in name:
         sys.exit(f"refusing to empty database {name!r}: its name must contain 'bench'")
-    create_database_if_missing(name)
     empty_bench_database(TABLES)
     project = services.project_create(name="bench")
     return services.api_key_create(project=project, role="admin")[1]
-
-
-def create_database_if_missing(name: str) -> None:
-    db = settings.DATABASES["default"]
-    with psycopg.connect(dbname="postgres", user=db["USER"] or "postgres",
-                         host=db["HOST"] or "127.0.0.1", port=db["PORT"] or 5432,
-                         autocommit=True) as admin:
-        exists = admin.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone()
-        if not exists:
-            admin.execute(f'CREATE DATABASE "{name}"')
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, attempts: int = 600) -> None:

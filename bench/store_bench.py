@@ -7,7 +7,9 @@ Uses (and empties) its own database, whose name must contain "bench". Figures:
 enqueue_many; claim+complete in batches of 10 (target >= 2,000 rollouts/s); spans of ~1 KB
 attributes in batches (target >= 20,000 spans/s); dequeue latency at queue depth 1,000 vs
 1,000,000 (target within 2x); one sweep over 1,000,000 live attempts of which 1,000 are
-overdue (target < 1 s). Bulk fixtures for the last two are written with SQL, not measured.
+overdue (target < 1 s). The throughput figures are given for one process and for several
+(as several API or worker processes write at once in a deployment). Bulk fixtures for the
+last two are written with SQL, not measured.
 """
 
 from __future__ import annotations
@@ -93,12 +95,13 @@ def bench_claim_complete(project, n: int, processes: int) -> None:
     rate(label, done, time.perf_counter() - start, "rollouts", 2000)
 
 
-def bench_spans(project, n: int, batch: int) -> None:
+def _spans_loop(project_id: int, n: int, batch: int) -> int:
+    """Add n spans of ~1 KB in batches over 20 attempts of a fresh rollout batch; each span's
+    attributes are its own dict (as spans parsed from a request are)."""
+    project = Project.objects.get(pk=project_id)
     services.rollout_enqueue_many(project=project, specs=[RolloutSpec(input=i) for i in range(20)])
     claimed = services.rollout_dequeue_many(project=project, worker_id="spans", limit=20)
-    attrs = {f"attr.{k}": "v" * 40 for k in range(20)}  # ~1 KB of attributes as JSON
     seq = 0
-    start = time.perf_counter()
     while seq < n:
         rollout, attempt = claimed[(seq // batch) % len(claimed)]
         spans = []
@@ -107,11 +110,28 @@ def bench_spans(project, n: int, batch: int) -> None:
             spans.append({
                 "rollout_id": rollout.pk, "attempt_id": attempt.attempt_id, "sequence_id": seq,
                 "trace_id": f"{seq:032x}", "span_id": f"{seq:016x}", "name": "llm.call",
-                "attributes": attrs, "start_time": 1.0, "end_time": 2.0,
+                "attributes": {f"attr.{k}": f"{seq:08d}" + "v" * 32 for k in range(20)},
+                "start_time": 1.0, "end_time": 2.0,
             })
         services.spans_add(project=project, spans=spans)
-    rate(f"spans_add (~1 KB, batches of {batch})", seq, time.perf_counter() - start, "spans",
-         20000)
+    return seq
+
+
+def _spans_worker(args: tuple[int, int, int]) -> int:
+    connection.close()  # a fresh connection per process
+    return _spans_loop(*args)
+
+
+def bench_spans(project, n: int, batch: int, processes: int) -> None:
+    start = time.perf_counter()
+    if processes == 1:
+        done = _spans_loop(project.pk, n, batch)
+    else:
+        connection.close()
+        with multiprocessing.get_context("fork").Pool(processes) as pool:
+            done = sum(pool.map(_spans_worker, [(project.pk, n, batch)] * processes))
+    label = f"spans_add (~1 KB, batches of {batch}, {processes} proc)"
+    rate(label, done, time.perf_counter() - start, "spans", 20000)
 
 
 def clone_rows(model, template_pk, count: int, overrides: dict[str, str], params: list) -> None:
@@ -222,7 +242,9 @@ def main() -> None:
     analyze()
     bench_claim_complete(project, n, processes=1)
     bench_claim_complete(project, 2 * n, processes=args.processes)
-    bench_spans(services.project_create(name="spans"), n=n * 2, batch=500)
+    spans_project = services.project_create(name="spans")
+    bench_spans(spans_project, n=n * 2, batch=500, processes=1)
+    bench_spans(spans_project, n=n, batch=500, processes=2)
     bench_dequeue_depth(big, samples=50 if args.quick else 200)
     bench_sweep(big, 1000 if not args.quick else 100)
 

@@ -76,6 +76,12 @@ def database_from_url(url: str) -> dict:
         except ValueError:
             raise ImproperlyConfigured(f"DATABASE_URL {url!r} has a bad port") from None
         conn_max_age = int(options.pop("conn_max_age", "60"))
+        health_checks = options.pop("conn_health_checks", "true").lower()
+        if health_checks not in {"true", "false"}:
+            raise ImproperlyConfigured(
+                "DATABASE_URL option conn_health_checks must be true or false, "
+                f"not {health_checks!r}"
+            )
         return {
             "ENGINE": "django.db.backends.postgresql",
             "NAME": name,
@@ -83,9 +89,10 @@ def database_from_url(url: str) -> dict:
             "PASSWORD": unquote(parts.password or ""),
             "HOST": parts.hostname or "",
             "PORT": str(port or ""),
-            # Reuse connections across requests; health checks drop ones the server closed.
+            # Reuse connections across requests; health checks (one `SELECT 1` per request)
+            # drop ones the server closed instead of failing that request.
             "CONN_MAX_AGE": conn_max_age,
-            "CONN_HEALTH_CHECKS": True,
+            "CONN_HEALTH_CHECKS": health_checks == "true",
             "OPTIONS": options,
         }
     if scheme == "sqlite":
