@@ -5,6 +5,7 @@ BEGIN IMMEDIATE) the same steps run through the ORM."""
 
 from __future__ import annotations
 
+import functools
 from datetime import datetime
 
 from django.db import connection
@@ -14,6 +15,7 @@ from store.ids import new_attempt_id
 from store.models import Attempt, Project, Rollout
 from store.services._bulk import bulk_set
 from store.services._common import attempt_deadline, worker_mark_dequeued
+from store.services._rows import row_instance
 from store.statemachine import QUEUED, AttemptStatus, RolloutConfig, RolloutStatus
 
 
@@ -114,6 +116,33 @@ _WORKER_SQL = """
 
 def _claim_sql(project, worker_id, limit, now, rollout_id, idle_if_none
                ) -> list[tuple[Rollout, Attempt]]:
+    sql, defaults = _claim_statement(bool(rollout_id), bool(worker_id))
+    params = {**defaults, "project": project.pk, "now": now, "worker": worker_id,
+              "limit": limit, "rid": rollout_id, "idle_if_none": idle_if_none}
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        rows = cursor.fetchall()
+    width = len(Rollout._meta.concrete_fields)
+    claimed = []
+    for row in rows:
+        rollout = row_instance(Rollout, list(row[:width]))
+        attempt_pk, attempt_id, sequence_id, deadline = row[width:]
+        attempt = Attempt(
+            pk=attempt_pk, rollout=rollout, attempt_id=attempt_id, sequence_id=sequence_id,
+            status=AttemptStatus.PREPARING, worker_id=worker_id, start_time=now,
+            deadline=deadline,
+        )
+        attempt._state.adding = False
+        attempt._state.db = rollout._state.db
+        rollout.latest_attempt = attempt
+        claimed.append((rollout, attempt))
+    return claimed
+
+
+@functools.cache
+def _claim_statement(only_named: bool, with_worker: bool) -> tuple[str, dict]:
+    """The claim statement (its text never changes, so psycopg parses it once) and the
+    parameters of the attempt columns that take their model default."""
     given = {
         "rollout_id": "p.id",
         "attempt_id": "'at-' || substr(md5(random()::text || clock_timestamp()::text || p.id),"
@@ -124,8 +153,7 @@ def _claim_sql(project, worker_id, limit, now, rollout_id, idle_if_none
         "start_time": "%(now)s",
         "deadline": _DEADLINE_SQL,
     }
-    params = {"project": project.pk, "now": now, "worker": worker_id, "limit": limit,
-              "rid": rollout_id, "idle_if_none": idle_if_none}
+    defaults = {}
     columns, values = [], []
     for field in Attempt._meta.concrete_fields:
         if field.primary_key:
@@ -134,10 +162,11 @@ def _claim_sql(project, worker_id, limit, now, rollout_id, idle_if_none
         if field.column in given:
             values.append(given[field.column])
         else:  # every other column takes its model default, so new fields need no edit here
-            params[f"d_{field.column}"] = field.get_db_prep_save(field.get_default(), connection)
+            defaults[f"d_{field.column}"] = field.get_db_prep_save(field.get_default(),
+                                                                   connection)
             values.append(f"%(d_{field.column})s::{field.db_type(connection)}")
     rollout_columns = ", ".join(f'upd."{f.column}"' for f in Rollout._meta.concrete_fields)
-    only = "AND id = %(rid)s" if rollout_id else ""
+    only = "AND id = %(rid)s" if only_named else ""
     sql = f"""
         WITH picked AS (
             SELECT id, attempt_count, config, priority, enqueue_time FROM store_rollout
@@ -154,21 +183,8 @@ def _claim_sql(project, worker_id, limit, now, rollout_id, idle_if_none
                 attempt_count = ins.sequence_id, queue_deadline = NULL
             FROM ins WHERE r.id = ins.rollout_id
             RETURNING r.*
-        ) {_WORKER_SQL if worker_id else ""}
-        SELECT {rollout_columns}, ins.id AS claim_attempt_pk,
-            ins.attempt_id AS claim_attempt_id, ins.sequence_id AS claim_sequence_id,
-            ins.deadline AS claim_deadline
+        ) {_WORKER_SQL if with_worker else ""}
+        SELECT {rollout_columns}, ins.id, ins.attempt_id, ins.sequence_id, ins.deadline
         FROM upd JOIN ins ON ins.rollout_id = upd.id
     """
-    claimed = []
-    for rollout in Rollout.objects.raw(sql, params):
-        attempt = Attempt(
-            pk=rollout.claim_attempt_pk, rollout=rollout, attempt_id=rollout.claim_attempt_id,
-            sequence_id=rollout.claim_sequence_id, status=AttemptStatus.PREPARING,
-            worker_id=worker_id, start_time=now, deadline=rollout.claim_deadline,
-        )
-        attempt._state.adding = False
-        attempt._state.db = rollout._state.db
-        rollout.latest_attempt = attempt
-        claimed.append((rollout, attempt))
-    return claimed
+    return sql, defaults

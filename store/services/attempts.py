@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
 from store import hooks
@@ -21,6 +21,7 @@ from store.services._common import (
     set_attempt_status,
     worker_writes_for_attempts,
 )
+from store.services._rows import attempts_locked
 from store.statemachine import (
     ATTEMPT_LIVE,
     ROLLOUT_TERMINAL,
@@ -98,12 +99,13 @@ def _lock(project: Project, rollout_ids: set[str]) -> tuple[list[Attempt], dict[
     """Lock every attempt of the rollouts and the rollouts themselves, in one statement.
     Rows lock in attempt pk order, each rollout right after its first attempt: the order
     attempts -> rollouts that every writer keeps (see store/watchdog.py)."""
-    rows = list(
-        Attempt.objects.select_related("rollout")
-        .select_for_update(of=("self", "rollout"), no_key=True)
-        .filter(rollout_id__in=rollout_ids)
-        .order_by("pk")
-    )
+    if connection.vendor == "postgresql":
+        rows = attempts_locked(sorted(rollout_ids), None, lock_rollouts=True)
+    else:  # the embedded SQLite default: its transactions are serialized (BEGIN IMMEDIATE)
+        rows = list(
+            Attempt.objects.select_related("rollout").filter(rollout_id__in=rollout_ids)
+            .order_by("pk")
+        )
     rollouts: dict[str, Rollout] = {}
     for attempt in rows:
         # One instance per rollout, shared by its attempts. By primary key only: with

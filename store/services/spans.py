@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import F
 from django.db.models.base import ModelState
 from django.utils import timezone
@@ -16,6 +16,7 @@ from store.errors import InvalidInput, NotFound
 from store.models import Attempt, Project, Rollout, Span
 from store.services._bulk import Write, insert_new
 from store.services._common import attempt_deadline, attempt_filter
+from store.services._rows import attempts_locked
 from store.statemachine import AttemptStatus, RolloutConfig, RolloutStatus
 
 # A heartbeat rewrites its attempt at most this often; the watchdog's view of a busy attempt
@@ -101,13 +102,16 @@ def _attempts_for(project: Project, spans: Sequence[dict]) -> dict[tuple[str, st
     """The spans' attempts, locked in pk order (the one lock order) with their rollouts' state
     (not locked: rollouts are only written by compare-and-swap here)."""
     keys = {(s["rollout_id"], s["attempt_id"]) for s in spans}
-    rows = (
-        Attempt.objects.select_related("rollout")
-        .select_for_update(of=("self",), no_key=True)
-        .filter(rollout_id__in={rid for rid, _ in keys})
-        .filter(attempt_id__in={aid for _, aid in keys})
-        .order_by("pk")
-    )
+    rollout_ids = sorted({rid for rid, _ in keys})
+    attempt_ids = sorted({aid for _, aid in keys})
+    if connection.vendor == "postgresql":
+        rows = attempts_locked(rollout_ids, attempt_ids, lock_rollouts=False)
+    else:  # the embedded SQLite default: its transactions are serialized (BEGIN IMMEDIATE)
+        rows = (
+            Attempt.objects.select_related("rollout")
+            .filter(rollout_id__in=rollout_ids, attempt_id__in=attempt_ids)
+            .order_by("pk")
+        )
     # The project is checked here, not in SQL: see attempt_update_many.
     found = {(a.rollout_id, a.attempt_id): a for a in rows if a.rollout.project_id == project.pk}
     for key in sorted(keys):
