@@ -142,10 +142,10 @@ class ResourceVersionInline(admin.TabularInline):
 
 @admin.register(ResourceSet)
 class ResourceSetAdmin(admin.ModelAdmin):
-    list_display = ("id", "project", "version", "create_time", "update_time")
+    list_display = ("resources_id", "project", "version", "create_time", "update_time")
     list_filter = ("project",)
-    search_fields = ("=id",)
-    readonly_fields = ("id", "project", "version", "create_time", "update_time")
+    search_fields = ("=resources_id",)
+    readonly_fields = ("resources_id", "project", "version", "create_time", "update_time")
     inlines = [ResourceVersionInline]
 
     def has_add_permission(self, request) -> bool:

@@ -51,10 +51,13 @@ class ApiKey(models.Model):
 
 
 class ResourceSet(models.Model):
-    """A resources id (`rs-...`): a name for an immutable history of versions."""
+    """A resources id (`rs-...` or one the algorithm chose): a name for an immutable history
+    of versions. Ids are per project: two projects may use the same one independently."""
 
+    # Internal key only (random; rows from before migration 0005 kept their public id).
     id = models.CharField(primary_key=True, max_length=40, default=new_resources_id)
     project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="resource_sets")
+    resources_id = models.CharField(max_length=40, default=new_resources_id)
     version = models.PositiveIntegerField(default=0, help_text="Latest version number")
     create_time = models.DateTimeField()
     update_time = models.DateTimeField()
@@ -64,9 +67,12 @@ class ResourceSet(models.Model):
             # "latest resources" = most recently updated in the project
             models.Index(fields=["project", "-update_time"], name="resourceset_latest"),
         ]
+        constraints = [
+            models.UniqueConstraint(fields=["project", "resources_id"], name="resourceset_uniq")
+        ]
 
     def __str__(self) -> str:
-        return f"{self.id} v{self.version}"
+        return f"{self.resources_id} v{self.version}"
 
 
 class ResourceVersion(models.Model):
@@ -83,7 +89,7 @@ class ResourceVersion(models.Model):
         ]
 
     def __str__(self) -> str:
-        return f"{self.resource_set_id} v{self.version}"
+        return f"{self.resource_set.resources_id} v{self.version}"
 
 
 class Rollout(models.Model):

@@ -172,7 +172,7 @@ def resources_get(
 ) -> ResourceVersion:
     """One version of a resources id; its latest when `version` is None."""
     qs = ResourceVersion.objects.select_related("resource_set").filter(
-        resource_set__project=project, resource_set_id=resources_id
+        resource_set__project=project, resource_set__resources_id=resources_id
     )
     row = (qs.filter(version=version) if version is not None else
            qs.filter(version=F("resource_set__version"))).first()
@@ -186,15 +186,16 @@ def resources_latest(*, project: Project) -> ResourceVersion | None:
     rs = ResourceSet.objects.filter(project=project).order_by("-update_time").first()
     if rs is None:
         return None
-    return resources_get(project=project, resources_id=rs.pk)
+    return resources_get(project=project, resources_id=rs.resources_id)
 
 
 def resources_versions(*, project: Project, resources_id: str) -> list[ResourceVersion]:
-    if not ResourceSet.objects.filter(project=project, pk=resources_id).exists():
+    rs = ResourceSet.objects.filter(project=project, resources_id=resources_id).first()
+    if rs is None:
         raise NotFound("resources", resources_id)
     return list(
         ResourceVersion.objects.select_related("resource_set")
-        .filter(resource_set_id=resources_id).order_by("version")
+        .filter(resource_set=rs).order_by("version")
     )
 
 
@@ -208,10 +209,11 @@ def resources_query(
         resource_set__project=project, version=F("resource_set__version")
     )
     if resources_id:
-        qs = qs.filter(resource_set_id=resources_id)
+        qs = qs.filter(resource_set__resources_id=resources_id)
     if resources_id_contains:
-        qs = qs.filter(resource_set__id__contains=resources_id_contains)
-    sortable = {"resources_id": "resource_set_id", "update_time": "resource_set__update_time",
+        qs = qs.filter(resource_set__resources_id__contains=resources_id_contains)
+    sortable = {"resources_id": "resource_set__resources_id",
+                "update_time": "resource_set__update_time",
                 "create_time": "resource_set__create_time", "version": "version"}
     return _paginate(qs, limit=limit, offset=offset, sort_by=sort_by, sort_order=sort_order,
                      sortable=sortable, default="resource_set__update_time")

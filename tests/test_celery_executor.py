@@ -86,7 +86,7 @@ def test_resources_are_given_by_name(project):
         project=project, resources={"llm": {"resource_type": "llm", "endpoint": "http://x/v1"}}
     )
     outcome, _ = run_one(project, "tests.celery_agents:llm_agent",
-                         input={"endpoint": "http://x/v1"}, resources_id=version.resource_set_id)
+                         input={"endpoint": "http://x/v1"}, resources_id=version.resource_set.resources_id)
     assert outcome.reward == 1.0
 
 

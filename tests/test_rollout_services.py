@@ -167,10 +167,10 @@ def test_other_projects_rollouts_are_not_found(project, other_project):
 
 def test_enqueue_pins_latest_resources_version(project):
     v1 = services.resources_add(project=project, resources={"p": {"resource_type": "x"}})
-    services.resources_update(project=project, resources_id=v1.resource_set_id,
+    services.resources_update(project=project, resources_id=v1.resource_set.resources_id,
                               resources={"p": {"resource_type": "y"}})
     rollout = enqueue(project, 1)[0]
-    assert rollout.resources_id == v1.resource_set_id and rollout.resources_version == 2
+    assert rollout.resources_id == v1.resource_set.resources_id and rollout.resources_version == 2
 
 
 def test_claim_named_rollout_once(project):

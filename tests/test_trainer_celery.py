@@ -66,7 +66,7 @@ def test_a_killed_training_worker_step_is_sent_again_and_completes_once(
         (0, "done", 2), (1, "done", 3), (2, "done", 3),
     ]
     # Exactly once: checkpoint 0 plus one version per training step, no more.
-    assert ResourceVersion.objects.filter(resource_set_id=job.resources_id).count() == 3
+    assert ResourceVersion.objects.filter(resource_set__resources_id=job.resources_id).count() == 3
 
 
 def test_stopping_every_process_mid_job_then_starting_again_goes_on(
@@ -93,4 +93,4 @@ def test_stopping_every_process_mid_job_then_starting_again_goes_on(
     assert 0 in done_before
     steps = list(job.steps.values_list("n", "status", "produced_version").order_by("n"))
     assert steps == [(0, "done", 2), (1, "done", 3), (2, "done", 4), (3, "done", 4)]
-    assert ResourceVersion.objects.filter(resource_set_id=job.resources_id).count() == 4
+    assert ResourceVersion.objects.filter(resource_set__resources_id=job.resources_id).count() == 4

@@ -81,7 +81,7 @@ def test_train_step_writes_the_next_version_and_plans_the_next_step(monkeypatch)
     assert job.steps.get(n=1).resources_version == 2
     # A redelivered message for a finished step does nothing.
     assert services.step_train(step_id=step_id, worker="w2") == "skipped"
-    assert ResourceVersion.objects.filter(resource_set_id=job.resources_id).count() == 2
+    assert ResourceVersion.objects.filter(resource_set__resources_id=job.resources_id).count() == 2
     assert job.steps.count() == 2
 
 
@@ -125,7 +125,7 @@ def test_a_step_whose_worker_died_is_sent_again_and_completes_once(monkeypatch):
     result = services._train(step)
     assert services._step_finish(step, result) == "done"
     assert services._step_finish(dead, result) == "lost"  # the dead try cannot finish it
-    assert ResourceVersion.objects.filter(resource_set_id=job.resources_id).count() == 2
+    assert ResourceVersion.objects.filter(resource_set__resources_id=job.resources_id).count() == 2
 
 
 def test_cancel_then_resume_goes_on_from_the_last_finished_step(monkeypatch):
@@ -148,13 +148,13 @@ def test_cancel_then_resume_goes_on_from_the_last_finished_step(monkeypatch):
 def test_retention_keeps_the_best_checkpoint_and_the_latest(monkeypatch, checkpoint_dir):
     sent = capture_sends(monkeypatch)
     job = drive(services.job_start(job_id=make_job(steps=4, keep_last=1).pk), sent)
-    kept = set(ResourceVersion.objects.filter(resource_set_id=job.resources_id)
+    kept = set(ResourceVersion.objects.filter(resource_set__resources_id=job.resources_id)
                .values_list("version", flat=True))
     assert job.best_version in kept
     assert max(kept) == 5 and len(kept) <= 2
     files = {p.name for p in checkpoint_dir.rglob("*.pt")}
     names = {v.resources["checkpoint"]["name"].rsplit("/", 1)[1]
-             for v in ResourceVersion.objects.filter(resource_set_id=job.resources_id)}
+             for v in ResourceVersion.objects.filter(resource_set__resources_id=job.resources_id)}
     assert files == names  # the files of deleted versions are gone too
 
 
@@ -189,7 +189,7 @@ def test_the_same_seed_gives_the_same_checkpoints(monkeypatch):
     for _ in range(2):
         job = drive(services.job_start(job_id=make_job(steps=1).pk), sent)
         shas.append([v.resources["checkpoint"]["sha256"] for v in
-                     ResourceVersion.objects.filter(resource_set_id=job.resources_id)
+                     ResourceVersion.objects.filter(resource_set__resources_id=job.resources_id)
                      .order_by("version")])
     assert shas[0] == shas[1] and len(shas[0]) == 2
 

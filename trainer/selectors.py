@@ -66,7 +66,8 @@ def job_rollout_counts(*, job: TrainingJob) -> dict[str, int]:
 def job_checkpoints(*, job: TrainingJob) -> list[ResourceVersion]:
     if not job.resources_id:
         return []
-    return list(ResourceVersion.objects.filter(resource_set_id=job.resources_id)
+    return list(ResourceVersion.objects.filter(resource_set__project_id=job.project_id,
+                                               resource_set__resources_id=job.resources_id)
                 .order_by("version"))
 
 

@@ -118,7 +118,7 @@ def job_start(*, job_id: int) -> TrainingJob:
         version = store_services.resources_add(
             project=job.project, resources={"checkpoint": resource}
         )
-        job.resources_id = version.resource_set_id
+        job.resources_id = version.resource_set.resources_id
         TrainingJob.objects.filter(pk=job.pk).update(resources_id=job.resources_id)
         _step_plan(job, algorithm, n=0, resources_version=version.version)
     return job

@@ -455,7 +455,7 @@ class ResourcesUpdateOut(serializers.Serializer):
 
     def to_representation(self, v: ResourceVersion) -> dict[str, Any]:
         return {
-            "resources_id": v.resource_set_id,
+            "resources_id": v.resource_set.resources_id,
             "create_time": epoch(v.resource_set.create_time),
             "update_time": epoch(v.created_at),
             "version": v.version,

@@ -149,12 +149,14 @@ def attempt_filter(project: Project, rollout_id: str, attempt_id: str) -> Q:
     return base & Q(attempt_id=attempt_id)
 
 
-def lock_resource_set_shared(resources_id: str) -> None:
+def lock_resource_set_shared(project_id: int, resources_id: str) -> None:
     """Hold a share lock on a resources id until commit, so retention waits for us."""
     if connection.vendor == "postgresql":
         with connection.cursor() as cursor:
             cursor.execute(
-                "SELECT 1 FROM store_resourceset WHERE id = %s FOR SHARE", [resources_id]
+                "SELECT 1 FROM store_resourceset WHERE project_id = %s AND resources_id = %s "
+                "FOR SHARE",
+                [project_id, resources_id],
             )
 
 

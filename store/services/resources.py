@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
@@ -37,14 +37,7 @@ def resources_update(
         raise InvalidInput("resources_id", "must be 1-40 characters")
     now = timezone.now()
     with transaction.atomic():
-        rs = ResourceSet.objects.select_for_update().filter(pk=resources_id).first()
-        if rs is None:
-            rs = ResourceSet.objects.create(
-                id=resources_id, project=project, version=0, create_time=now, update_time=now
-            )
-        elif rs.project_id != project.pk:
-            # Ids are global; another project's id is "not found" here, never a leak.
-            raise NotFound("resources", resources_id)
+        rs = _lock_or_create(project, resources_id, now)
         rs.version += 1
         rs.update_time = now
         rs.save(update_fields=["version", "update_time"])
@@ -55,13 +48,32 @@ def resources_update(
     return version
 
 
+def _lock_or_create(project: Project, resources_id: str, now) -> ResourceSet:
+    """The project's set named `resources_id`, locked; created at version 0 if missing (a
+    concurrent creator of the same id wins the unique key, and we lock its row instead)."""
+    for _ in range(2):
+        rs = (ResourceSet.objects.select_for_update()
+              .filter(project=project, resources_id=resources_id).first())
+        if rs is not None:
+            return rs
+        try:
+            with transaction.atomic():
+                return ResourceSet.objects.create(
+                    project=project, resources_id=resources_id, version=0, create_time=now,
+                    update_time=now,
+                )
+        except IntegrityError:
+            continue
+    raise NotFound("resources", resources_id)  # created and deleted under our feet
+
+
 def resources_delete(*, project: Project, resources_id: str) -> None:
     """Delete a resources id with all its versions; refused while an unfinished rollout
     still refers to it (ResourceInUse)."""
     with transaction.atomic():
         rs = (
             ResourceSet.objects.select_for_update()
-            .filter(project=project, pk=resources_id)
+            .filter(project=project, resources_id=resources_id)
             .first()
         )
         if rs is None:
@@ -79,7 +91,7 @@ def resources_set_keep(
 ) -> None:
     """Protect (or unprotect) a version from retention, e.g. the best checkpoint."""
     updated = ResourceVersion.objects.filter(
-        resource_set__project=project, resource_set_id=resources_id, version=version
+        resource_set__project=project, resource_set__resources_id=resources_id, version=version
     ).update(keep=keep)
     if not updated:
         raise NotFound("resources version", f"{resources_id}@{version}")
@@ -96,23 +108,25 @@ def resources_retain(
     if project is not None:
         sets = sets.filter(project=project)
     if resources_id is not None:
-        sets = sets.filter(pk=resources_id)
+        sets = sets.filter(resources_id=resources_id)
     deleted = 0
     for rs_id in sets.values_list("pk", flat=True).iterator():
         deleted += _retain_one(rs_id, keep_last)
     return deleted
 
 
-def _retain_one(rs_id: str, keep_last: int) -> int:
+def _retain_one(rs_pk: str, keep_last: int) -> int:
     with transaction.atomic():
         # Waits for enqueues that hold a share lock on this id while pinning its version.
-        rs = ResourceSet.objects.select_for_update().filter(pk=rs_id).first()
+        rs = ResourceSet.objects.select_for_update().filter(pk=rs_pk).first()
         if rs is None or rs.version <= keep_last:
             return 0
-        in_use = Rollout.objects.filter(resources_id=rs_id).exclude(status__in=ROLLOUT_TERMINAL)
+        in_use = Rollout.objects.filter(
+            project_id=rs.project_id, resources_id=rs.resources_id
+        ).exclude(status__in=ROLLOUT_TERMINAL)
         pinned = set(in_use.values_list("resources_version", flat=True))
         doomed = ResourceVersion.objects.filter(
-            resource_set_id=rs_id, version__lte=rs.version - keep_last, keep=False
+            resource_set=rs, version__lte=rs.version - keep_last, keep=False
         ).exclude(Q(version__in=pinned - {None}))
         count, _ = doomed.delete()
     return count

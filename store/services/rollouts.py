@@ -78,7 +78,7 @@ class _Pins:
             return resources_id, self.versions[resources_id]
         if self.latest is None:
             return None, None
-        return self.latest.id, self.latest.version
+        return self.latest.resources_id, self.latest.version
 
 
 def _pin_resources(project: Project, specs: Sequence[RolloutSpec]) -> _Pins:
@@ -90,13 +90,14 @@ def _pin_resources(project: Project, specs: Sequence[RolloutSpec]) -> _Pins:
         latest_id = (
             ResourceSet.objects.filter(project=project)
             .order_by("-update_time")
-            .values_list("id", flat=True)
+            .values_list("resources_id", flat=True)
             .first()
         )
     wanted = named | ({latest_id} if latest_id else set())
     for rid in sorted(wanted):
-        lock_resource_set_shared(rid)
-    sets = {r.id: r for r in ResourceSet.objects.filter(project=project, id__in=wanted)}
+        lock_resource_set_shared(project.pk, rid)
+    sets = {r.resources_id: r
+            for r in ResourceSet.objects.filter(project=project, resources_id__in=wanted)}
     missing = named - set(sets)
     if missing:
         raise NotFound("resources", sorted(missing)[0])
@@ -315,9 +316,9 @@ def _apply_resources(project: Project, rollout: Rollout, resources_id: str | Non
     if resources_id is None:
         rollout.resources_id = rollout.resources_version = None
     else:
-        rs = ResourceSet.objects.filter(project=project, id=resources_id).first()
+        lock_resource_set_shared(project.pk, resources_id)
+        rs = ResourceSet.objects.filter(project=project, resources_id=resources_id).first()
         if rs is None:
             raise NotFound("resources", resources_id)
-        lock_resource_set_shared(rs.id)
-        rollout.resources_id, rollout.resources_version = rs.id, rs.version
+        rollout.resources_id, rollout.resources_version = rs.resources_id, rs.version
     changed += ["resources_id", "resources_version"]
