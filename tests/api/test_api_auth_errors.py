@@ -65,7 +65,8 @@ def test_another_projects_ids_are_not_found(api_server, keys: Keys, algo, runner
         assert other.post(f"/rollouts/{rid}/attempts/{aid}",
                           json={"status": "failed"}).status_code == 404
         assert other.get(f"/resources/{rs}").status_code == 404
-        assert other.post(f"/resources/{rs}", json={}).status_code == 404
+        # Ids are per project: the same id there is the other project's own history.
+        assert other.post(f"/resources/{rs}", json={}).json()["version"] == 1
         assert other.get("/spans", params={"rollout_id": rid}).status_code == 404
         assert other.post("/spans/next", json={"rollout_id": rid,
                                                "attempt_id": aid}).status_code == 404
@@ -75,6 +76,8 @@ def test_another_projects_ids_are_not_found(api_server, keys: Keys, algo, runner
         body = other.post("/waits/rollouts", json={"rollout_ids": [rid], "timeout": 0}).json()
         assert body == []
     assert algo.get(f"/rollouts/{rid}").json()["status"] == "preparing"
+    mine = algo.get(f"/resources/{rs}").json()
+    assert (mine["version"], list(mine["resources"])) == (1, ["r"])
 
 
 @pytest.mark.parametrize("method,path,body", [
