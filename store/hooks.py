@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 from django.db import transaction
 
+from store import wakeups
+
 if TYPE_CHECKING:
     from store.models import Rollout
 
@@ -36,7 +38,11 @@ def remove_rollouts_finished(callback: FinishedCallback) -> None:
 
 
 def notify_rollouts_finished(rollouts: Iterable[Rollout]) -> None:
+    """Called by the store inside the transaction that made `rollouts` terminal: callbacks of
+    this process run after commit, and waiting requests of every process are woken."""
     finished = list(rollouts)
+    for project_id in sorted({r.project_id for r in finished}):
+        wakeups.announce(wakeups.FINISHED, project_id)
     if finished and _finished_callbacks:
         transaction.on_commit(lambda: _call(finished))
 

@@ -11,6 +11,7 @@ from typing import Any, Generic, TypeVar
 
 from django.db.models import Count, F, Q, QuerySet
 
+from store import wakeups
 from store.errors import InvalidInput, NotFound
 from store.models import Attempt, Project, ResourceSet, ResourceVersion, Rollout, Span, Worker
 from store.statemachine import ROLLOUT_TERMINAL
@@ -221,16 +222,18 @@ def resources_query(
 
 def rollouts_wait(
     *, project: Project, rollout_ids: Sequence[str], timeout: float | None,
-    poll: float = 0.05, poll_max: float = 0.5,
 ) -> list[Rollout]:
     """The listed rollouts that are terminal, waiting up to `timeout` seconds (capped at 60)
-    for all of them; polls with backoff, never spins."""
+    for all of them. Between checks it sleeps until a rollout of the project finishes
+    (store/wakeups.py: Postgres NOTIFY), never spinning."""
     deadline = time.monotonic() + min(max(timeout or 0.0, 0.0), MAX_WAIT_SECONDS)
     ids = list(dict.fromkeys(rollout_ids))
     # Ids this project does not have never finish: waiting for them would only burn the timeout.
     known = {pk for pk, _ in _of_project(project, ids, "pk", "status")}
     ids = [rid for rid in ids if rid in known]
+    waiter = wakeups.Waiter(wakeups.FINISHED, project.pk)
     while True:
+        waiter.start()
         done = [
             r for r in Rollout.objects.select_related("latest_attempt")
             .filter(pk__in=ids, status__in=ROLLOUT_TERMINAL)
@@ -240,8 +243,7 @@ def rollouts_wait(
         if len(done) == len(ids) or remaining <= 0:
             order = {rid: i for i, rid in enumerate(ids)}
             return sorted(done, key=lambda r: order[r.pk])
-        time.sleep(min(poll, remaining))
-        poll = min(poll * 2, poll_max)
+        waiter.sleep(remaining)
 
 
 def rollout_cancelled_ids(*, project: Project, rollout_ids: Sequence[str]) -> set[str]:

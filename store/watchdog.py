@@ -14,7 +14,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from store import hooks
+from store import hooks, wakeups
 from store.models import Attempt, Rollout
 from store.services._bulk import bulk_set
 from store.services._common import (
@@ -109,6 +109,8 @@ def _sweep_attempts(now: datetime, batch_size: int, result: SweepResult) -> int:
         for project_id in {r.project_id for r in rollouts.values()}:
             mine = [a for a in lost if rollouts[a.rollout_id].project_id == project_id]
             worker_sync_for_attempts(project_id, mine, now)
+        for project_id in {changed[rid].project_id for rid in result.requeued if rid in changed}:
+            wakeups.announce(wakeups.QUEUED, project_id)
         hooks.notify_rollouts_finished(finished)
     return len(attempts)
 

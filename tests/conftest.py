@@ -20,6 +20,15 @@ from tests.celery_fixtures import (  # noqa: F401 - fixtures for tests with real
 )
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _wakeup_listener_closed_before_teardown(django_db_setup, django_db_blocker):
+    """The wake-up listener's connection would keep the test database from being dropped."""
+    yield
+    from store import wakeups
+
+    wakeups.stop_listener()
+
+
 @pytest.fixture
 def project(db) -> Project:
     return services.project_create(name="proj")

@@ -10,7 +10,7 @@ from typing import Any
 from django.db import connection, transaction
 from django.utils import timezone
 
-from store import hooks
+from store import hooks, wakeups
 from store.errors import IllegalTransition, InvalidInput, NotFound
 from store.models import Attempt, Project, Rollout
 from store.services._bulk import Write, write_together
@@ -24,6 +24,7 @@ from store.services._common import (
 from store.services._rows import attempts_locked
 from store.statemachine import (
     ATTEMPT_LIVE,
+    QUEUED,
     ROLLOUT_TERMINAL,
     AttemptStatus,
     RolloutConfig,
@@ -91,6 +92,8 @@ def attempt_update_many(*, project: Project, updates: Sequence[AttemptUpdate]) -
             Write.set(list(changed_rollouts.values()), ROLLOUT_FOLLOW_FIELDS),
             *worker_writes_for_attempts(project.pk, attempts, now),
         ])
+        if any(r.status in QUEUED for r in changed_rollouts.values()):
+            wakeups.announce(wakeups.QUEUED, project.pk)  # a failed attempt was requeued
         hooks.notify_rollouts_finished(finished)
     return attempts
 

@@ -7,6 +7,7 @@ import time
 from django.db.models import Q
 from django.utils import timezone
 
+from store import wakeups
 from store.models import Attempt, Project, Rollout
 from store.services.rollouts import rollout_dequeue_many
 from store.statemachine import QUEUED
@@ -16,21 +17,25 @@ MAX_DEQUEUE_WAIT_SECONDS = 20.0
 
 def rollout_dequeue_wait(
     *, project: Project, worker_id: str | None = None, limit: int = 1, wait_seconds: float = 0.0,
-    poll: float = 0.05, poll_max: float = 0.5,
 ) -> list[tuple[Rollout, Attempt]]:
-    """Claim like `rollout_dequeue_many`; while nothing is queued, look again (a cheap read
-    over the claim index, with backoff) for up to `wait_seconds` (capped at 20 s)."""
+    """Claim like `rollout_dequeue_many`; while nothing is queued, sleep until rollouts of the
+    project are queued (store/wakeups.py: Postgres NOTIFY) and look again (a cheap read over
+    the claim index), for up to `wait_seconds` (capped at 20 s)."""
     deadline = time.monotonic() + min(max(wait_seconds, 0.0), MAX_DEQUEUE_WAIT_SECONDS)
     claimed = rollout_dequeue_many(project=project, worker_id=worker_id, limit=limit)
-    while not claimed:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            break
-        time.sleep(min(poll, remaining))
-        poll = min(poll * 2, poll_max)
+    if claimed or wait_seconds <= 0:
+        return claimed
+    waiter = wakeups.Waiter(wakeups.QUEUED, project.pk)
+    while True:
+        waiter.start()
         if _queue_has_work(project):
             claimed = rollout_dequeue_many(project=project, worker_id=worker_id, limit=limit)
-    return claimed
+            if claimed:
+                return claimed
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return claimed
+        waiter.sleep(remaining)
 
 
 def _queue_has_work(project: Project) -> bool:

@@ -11,7 +11,7 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from store import hooks
+from store import hooks, wakeups
 from store.errors import IllegalTransition, InvalidInput, NotFound
 from store.ids import new_rollout_id
 from store.models import Attempt, Project, ResourceSet, Rollout
@@ -173,6 +173,8 @@ def _enqueue_once(project: Project, specs: Sequence[RolloutSpec],
         new.append(rollout)
         result.append(rollout)
     Rollout.objects.bulk_create(new)
+    if new:
+        wakeups.announce(wakeups.QUEUED, project.pk)
     return result
 
 
@@ -309,6 +311,7 @@ def _apply_rollout_status(rollout: Rollout, status: str, now: datetime, changed:
         rollout.enqueue_time = now
         rollout.queue_deadline = queue_deadline(rollout, now)
         changed += ["enqueue_time", "queue_deadline"]
+        wakeups.announce(wakeups.QUEUED, rollout.project_id)
 
 
 def _apply_resources(project: Project, rollout: Rollout, resources_id: str | None,
