@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from datetime import timedelta
 
 import pytest
+from django.db import connection
 from django.utils import timezone
 
 from examples.cipher import job_spec
@@ -33,6 +36,14 @@ class ExplodingGRPO(GRPO):
 
     def update(self, **kwargs):
         raise RuntimeError("boom: the update exploded")
+
+
+class SlowGRPO(GRPO):
+    """Trains longer than its step lease (`update_sleep` seconds per update)."""
+
+    def update(self, **kwargs):
+        time.sleep(float(self.config["update_sleep"]))
+        return super().update(**kwargs)
 
 
 def make_job(*, steps: int = 2, algorithm: str = "grpo", **config) -> TrainingJob:
@@ -202,3 +213,32 @@ def test_the_baseline_only_evaluates(monkeypatch):
     assert [s.produced_version for s in steps] == [1, 1, 1]
     assert {s.rollout_count for s in steps} == {0}
     assert len({s.metrics["val_reward"] for s in steps}) == 1  # same policy, same greedy score
+
+
+def test_a_step_training_longer_than_its_lease_keeps_it(monkeypatch):
+    """The lease is renewed while the step trains: a second claim in the middle finds the
+    step held (without renewal the 1.5 s lease would have run out), and the step is done once."""
+    sent = capture_sends(monkeypatch)
+    job = make_job(algorithm="tests.test_trainer_services.SlowGRPO", update_sleep=4,
+                   step_lease_seconds=1.5)
+    job = services.job_start(job_id=job.pk)
+    run_rollouts(job)
+    step_id = sent.train_steps.pop()
+    outcome = []
+
+    def train() -> None:
+        try:
+            outcome.append(services.step_train(step_id=step_id, worker="slow"))
+        finally:
+            connection.close()  # this thread's own connection
+
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    time.sleep(3)
+    assert services.step_claim(step_id=step_id, worker="thief") is None
+    assert services.steps_sweep().resent == []
+    trainer.join()
+    step = TrainingStep.objects.get(pk=step_id)
+    assert outcome == ["done"]
+    assert (step.status, step.attempts, step.worker) == (StepStatus.DONE, 1, "slow")
+

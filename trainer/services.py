@@ -31,6 +31,7 @@ from store.services import RolloutSpec
 from store.statemachine import ROLLOUT_TERMINAL, RolloutConfig, RolloutStatus
 from trainer import checkpoints, delivery, selectors
 from trainer.algorithms import Algorithm, algorithm_load
+from trainer.lease import lease_kept
 from trainer.models import (
     STEP_OPEN,
     JobStatus,
@@ -243,7 +244,8 @@ def step_train(*, step_id: int, worker: str | None = None) -> str:
     if step is None:
         return "skipped"
     try:
-        result = _train(step)
+        with lease_kept(step, job_config(step.job)["step_lease_seconds"]):
+            result = _train(step)
     except Exception:
         return step_record_failure(step_id=step.pk, attempt=step.attempts,
                                    error=traceback.format_exc(limit=8))
