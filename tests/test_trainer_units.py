@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -91,3 +95,21 @@ def test_checkpoints_round_trip_and_a_corrupt_file_is_refused(settings, tmp_path
 def test_the_trainer_plugs_into_the_store_hook_and_the_control_sweep():
     assert control._reconcilers["training_steps"] is services.steps_redispatch
     assert reactions.rollouts_finished in hooks._finished_callbacks
+
+
+def test_a_process_that_never_trains_never_loads_torch():
+    """The API server and other processes load torch only when they train or run an agent
+    that needs it: torch costs seconds of start-up and ~150 MB per process."""
+    code = (
+        "import sys, django; django.setup();"
+        "from django.urls import resolve; resolve('/v1/agl/health');"
+        "import lightning_site.wsgi, lightning_site.celery, trainer.services, trainer.algorithms;"
+        "from trainer.algorithms import algorithm_load;"
+        "assert 'torch' not in sys.modules, 'torch was imported';"
+        "from trainer.algorithms import GRPO; assert 'torch' in sys.modules; print('ok')"
+    )
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "lightning_site.settings"}
+    env.pop("DATABASE_URL", None)  # the embedded default needs no server
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

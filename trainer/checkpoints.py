@@ -20,7 +20,6 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-import torch
 from django.core.files.base import ContentFile
 from django.core.files.storage import storages
 
@@ -43,6 +42,8 @@ def checkpoint_save(
 ) -> dict[str, Any]:
     """Serialize `payload` (tensors and plain data), store it under a content-addressed name,
     and return the checkpoint resource. Saving the same content twice writes one file."""
+    import torch  # on first use: processes that never train never load torch
+
     buffer = io.BytesIO()
     torch.save(payload, buffer)
     data = buffer.getvalue()
@@ -84,6 +85,8 @@ def checkpoint_load(resource: dict[str, Any]) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint file {resource['name']!r} is missing") from None
     if hashlib.sha256(data).hexdigest() != sha:
         raise CheckpointError(f"checkpoint file {resource['name']!r} does not match its sha256")
+    import torch
+
     payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     _cache_put(sha, payload)
     return payload

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-import torch
 from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
@@ -233,6 +232,8 @@ class TrainResult:
 
 def train_device() -> str:
     """CUDA when this worker has it, else the CPU; recorded on the step."""
+    import torch  # here, not at the top: processes that never train never load torch
+
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 

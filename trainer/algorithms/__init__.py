@@ -8,15 +8,24 @@ from django.utils.module_loading import import_string
 
 from trainer.algorithms.adapter import FinishedRollout, Sample, TripletAdapter
 from trainer.algorithms.base import Algorithm, PlannedRollout, Update, step_seed
-from trainer.algorithms.baseline import Baseline
-from trainer.algorithms.grpo import GRPO
 
-BUILTINS: dict[str, type[Algorithm]] = {"grpo": GRPO, "baseline": Baseline}
+# The built-ins import torch, so they load on first use: a process that never trains (the
+# API server, say) never pays torch's start-up time and memory.
+BUILTINS: dict[str, str] = {
+    "grpo": "trainer.algorithms.grpo.GRPO",
+    "baseline": "trainer.algorithms.baseline.Baseline",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in {"GRPO", "Baseline"}:
+        return import_string(BUILTINS[name.lower()])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def algorithm_load(name: str, config: dict[str, Any]) -> Algorithm:
     """A built-in by name (`grpo`, `baseline`) or any Algorithm subclass by dotted path."""
-    cls = BUILTINS.get(name) or import_string(name)
+    cls = import_string(BUILTINS.get(name, name))
     if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
         raise ValueError(f"{name!r} is not an Algorithm")
     return cls(config)
