@@ -11,7 +11,7 @@ from runners.gateway import Claim
 from store import selectors, services
 from store.errors import IllegalTransition
 from store.models import Attempt, Project, Rollout
-from store.statemachine import AttemptStatus
+from store.statemachine import AttemptStatus, RolloutStatus
 
 log = logging.getLogger(__name__)
 
@@ -41,23 +41,19 @@ class LocalGateway:
         return row.resources
 
     def add_spans(self, *, spans: list[dict[str, Any]]) -> set[str]:
-        services.spans_add(project=self.project, spans=spans)
-        return selectors.rollout_cancelled_ids(
-            project=self.project, rollout_ids=sorted({s["rollout_id"] for s in spans})
-        )
+        return services.spans_ingest(project=self.project, spans=spans).cancelled
 
     def heartbeat(self, *, rollout_id: str, attempt_id: str, worker_id: str) -> bool:
         try:
-            services.attempt_update(
+            attempt = services.attempt_update(
                 project=self.project, rollout_id=rollout_id, attempt_id=attempt_id,
                 status=AttemptStatus.RUNNING, last_heartbeat_time=timezone.now(),
             )
         except IllegalTransition as exc:
             log.info("attempt %s/%s ended elsewhere: %s", rollout_id, attempt_id, exc)
             return True
-        return bool(
-            selectors.rollout_cancelled_ids(project=self.project, rollout_ids=[rollout_id])
-        )
+        # The rollout as the update's transaction locked it: no second query.
+        return attempt.rollout.status == RolloutStatus.CANCELLED
 
     def finish(
         self, *, rollout_id: str, attempt_id: str, status: str, error: str | None = None
