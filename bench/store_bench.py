@@ -69,6 +69,29 @@ def bench_enqueue(project, n: int) -> None:
 _barrier = None
 
 
+def _in_worker(call) -> tuple[int, float, float]:
+    loop, args = call
+    connection.close()  # a fresh connection per process
+    return loop(*args, barrier=_barrier)
+
+
+def timed_runs(loop, args_list: list[tuple]) -> tuple[int, float]:
+    """Run `loop(*args, barrier=...)` once per args: here for one, else in as many processes
+    that start together. Each run returns (count, start, end); the answer is the total count
+    and the seconds from the first start to the last end."""
+    global _barrier
+    if len(args_list) == 1:
+        results = [loop(*args_list[0])]
+    else:
+        connection.close()
+        context = multiprocessing.get_context("fork")
+        _barrier = context.Barrier(len(args_list))
+        with context.Pool(len(args_list)) as pool:
+            results = pool.map(_in_worker, [(loop, args) for args in args_list])
+    done = sum(count for count, _, _ in results)
+    return done, max(end for _, _, end in results) - min(start for _, start, _ in results)
+
+
 def _claim_complete_loop(project_id: int, worker: str, n: int, barrier=None
                          ) -> tuple[int, float, float]:
     """Claim and complete up to n rollouts in batches of 10; (count, start, end)."""
@@ -88,23 +111,9 @@ def _claim_complete_loop(project_id: int, worker: str, n: int, barrier=None
     return done, start, time.time()
 
 
-def _worker(args: tuple[int, str, int]) -> tuple[int, float, float]:
-    connection.close()  # a fresh connection per process
-    return _claim_complete_loop(*args, barrier=_barrier)
-
-
 def bench_claim_complete(project, n: int, processes: int) -> None:
-    global _barrier
-    if processes == 1:
-        results = [_claim_complete_loop(project.pk, "bench", n)]
-    else:
-        connection.close()
-        context = multiprocessing.get_context("fork")
-        _barrier = context.Barrier(processes)  # inherited by the forked workers
-        with context.Pool(processes) as pool:
-            results = pool.map(_worker, [(project.pk, f"bench{i}", n) for i in range(processes)])
-    done = sum(count for count, _, _ in results)
-    elapsed = max(end for _, _, end in results) - min(start for _, start, _ in results)
+    runs = [(project.pk, f"bench{i}", n) for i in range(processes)]
+    done, elapsed = timed_runs(_claim_complete_loop, runs)
     label = f"claim + complete (batches of 10, {processes} proc)"
     rate(label, done, elapsed, "rollouts", 2000)
 
@@ -137,24 +146,8 @@ def _spans_loop(project_id: int, n: int, batch: int, barrier=None) -> tuple[int,
     return seq, start, time.time()
 
 
-
-def _spans_worker(args: tuple[int, int, int]) -> tuple[int, float, float]:
-    connection.close()  # a fresh connection per process
-    return _spans_loop(*args, barrier=_barrier)
-
-
 def bench_spans(project, n: int, batch: int, processes: int) -> None:
-    global _barrier
-    if processes == 1:
-        results = [_spans_loop(project.pk, n, batch)]
-    else:
-        connection.close()
-        context = multiprocessing.get_context("fork")
-        _barrier = context.Barrier(processes)  # inherited by the forked workers
-        with context.Pool(processes) as pool:
-            results = pool.map(_spans_worker, [(project.pk, n, batch)] * processes)
-    done = sum(count for count, _, _ in results)
-    elapsed = max(end for _, _, end in results) - min(start for _, start, _ in results)
+    done, elapsed = timed_runs(_spans_loop, [(project.pk, n, batch)] * processes)
     label = f"spans_add (~1 KB, batches of {batch}, {processes} proc)"
     rate(label, done, elapsed, "spans", 20000)
 
