@@ -11,7 +11,11 @@ COPY examples examples
 COPY templates templates
 COPY manage.py ./
 RUN pip install --no-cache-dir -e .
-RUN useradd --create-home lightning && mkdir -p /app/var && chown lightning /app/var
+# Static files collected (and compressed) at build time; WhiteNoise serves them.
+ENV LIGHTNING_DATA_DIR=/app/var
+RUN python manage.py collectstatic --noinput -v0 \
+    && useradd --create-home lightning \
+    && mkdir -p /app/var/checkpoints && chown -R lightning /app/var
 USER lightning
 EXPOSE 8000
-CMD ["gunicorn", "lightning_site.wsgi:application", "--bind", "0.0.0.0:8000"]
+CMD ["gunicorn", "lightning_site.wsgi:application", "-c", "python:lightning_site.gunicorn_conf", "--workers", "4", "--threads", "8", "--timeout", "90"]

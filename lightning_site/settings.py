@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
@@ -28,7 +29,8 @@ if not SECRET_KEY:
         )
     # Embedded default only: a fixed key for a single-user local store.
     SECRET_KEY = "embedded-default-insecure-key-set-DJANGO_SECRET_KEY-for-deployments"
-ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]"])
+# "web" is the API server's name inside docker-compose.yml's network (workers and runners there).
+ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]", "web"])
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -48,6 +50,8 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    # Static files (the admin's CSS, the API docs' assets) in every mode, DEBUG or not.
+    "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -93,7 +97,9 @@ STATIC_ROOT = Path(env_str("DJANGO_STATIC_ROOT", str(DATA_DIR / "static")))
 MEDIA_ROOT = Path(env_str("DJANGO_MEDIA_ROOT", str(DATA_DIR / "media")))
 STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
-    "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
+    # Compressed copies are made by collectstatic (the image runs it); without it WhiteNoise
+    # serves the apps' own files through the finders (below).
+    "staticfiles": {"BACKEND": "whitenoise.storage.CompressedStaticFilesStorage"},
     # Training checkpoints (trainer.checkpoints); point the backend at object storage (e.g.
     # django-storages' S3 backend, configured by its own settings) to share them across hosts.
     "checkpoints": {
@@ -105,6 +111,14 @@ STORAGES = {
         else {},
     },
 }
+
+# Serve straight from the apps' static folders too, so `./lightning serve` and the embedded
+# default need no collectstatic step; files collected into STATIC_ROOT are served as well.
+WHITENOISE_USE_FINDERS = True
+# ...so an empty STATIC_ROOT (nothing collected yet) is normal, not worth a warning per process.
+warnings.filterwarnings("ignore", message="No directory at")
+# Links on the landing page; Flower runs as its own process (README "Distributed").
+FLOWER_URL = env_str("FLOWER_URL", "http://localhost:5555/")
 
 LOGGING = {
     "version": 1,

@@ -1,0 +1,20 @@
+"""gunicorn settings for the API server (`gunicorn -c python:lightning_site.gunicorn_conf`).
+
+Threads, because `waits/rollouts` and a long-polled dequeue hold their request for up to a
+minute: with sync workers four such requests block every other one, health checks included.
+The timeout must exceed the longest server-side wait (store.api.limits.MAX_WAIT_SECONDS, 60 s),
+or gunicorn kills the worker mid-wait and the client gets a 500. Command-line flags override
+these values (docker-compose.yml and the README pass them explicitly, to be read at a glance).
+"""
+
+from __future__ import annotations
+
+import os
+
+bind = f"0.0.0.0:{os.environ.get('PORT', '8000')}"
+worker_class = "gthread"
+workers = int(os.environ.get("WEB_WORKERS", "4"))
+threads = int(os.environ.get("WEB_THREADS", "8"))
+timeout = 90
+# Access lines for every API request would drown the workers' logs; errors still go to stderr.
+accesslog = None
