@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 
+from prometheus_client import multiprocess
+
 bind = f"0.0.0.0:{os.environ.get('PORT', '8000')}"
 worker_class = "gthread"
 workers = int(os.environ.get("WEB_WORKERS", "4"))
@@ -18,3 +20,19 @@ threads = int(os.environ.get("WEB_THREADS", "8"))
 timeout = 90
 # Access lines for every API request would drown the workers' logs; errors still go to stderr.
 accesslog = None
+
+
+# prometheus-client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR, lightning_site/metrics.py):
+# every worker writes its counters to files there; start from an empty folder, and fold a dead
+# worker's live gauges away.
+def on_starting(server) -> None:
+    folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+        for name in os.listdir(folder):
+            os.remove(os.path.join(folder, name))
+
+
+def child_exit(server, worker) -> None:
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        multiprocess.mark_process_dead(worker.pid)

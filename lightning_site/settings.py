@@ -49,6 +49,8 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    # Request counts and latency per route for /metrics (lightning_site.metrics).
+    "lightning_site.metrics.RequestMetricsMiddleware",
     "django.middleware.security.SecurityMiddleware",
     # Static files (the admin's CSS, the API docs' assets) in every mode, DEBUG or not.
     "whitenoise.middleware.WhiteNoiseMiddleware",
@@ -119,6 +121,9 @@ WHITENOISE_USE_FINDERS = True
 warnings.filterwarnings("ignore", message="No directory at")
 # Links on the landing page; Flower runs as its own process (README "Distributed").
 FLOWER_URL = env_str("FLOWER_URL", "http://localhost:5555/")
+# /metrics answers staff sessions, and scrapers sending `Authorization: Bearer METRICS_TOKEN`
+# (unset: staff only). README "Operate".
+METRICS_TOKEN = env_str("METRICS_TOKEN") or None
 
 LOGGING = {
     "version": 1,

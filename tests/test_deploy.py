@@ -87,6 +87,7 @@ def test_web_runs_gunicorn_gthread_with_a_timeout_above_the_longest_wait(config)
     assert int(words[words.index("--threads") + 1]) > 1
     assert "migrate --noinput" in web["command"]
     assert "web" in web["environment"]["DJANGO_ALLOWED_HOSTS"].split(",")
+    assert web["environment"]["PROMETHEUS_MULTIPROC_DIR"]  # /metrics sums the workers
 
 
 def test_every_service_waits_for_healthy_dependencies(config):

@@ -1,0 +1,168 @@
+"""Prometheus metrics at `/metrics` (README "Operate").
+
+Two kinds: per-request counters kept by each process (the middleware below; with gunicorn's
+several workers they are shared through PROMETHEUS_MULTIPROC_DIR, prometheus-client's
+multiprocess mode), and the store's state read from the database at scrape time (StoreCollector),
+so every process serves the same numbers and no counter is lost when a worker restarts.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import time
+from collections.abc import Callable, Iterator
+
+from django.conf import settings
+from django.db import connection
+from django.db.models import Count, Q
+from django.http import HttpRequest, HttpResponse
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from runners.selectors import queue_states
+from store.models import Attempt, ResourceSet, Rollout, Span
+from store.statemachine import QUEUED
+from trainer import selectors as trainer_selectors
+from trainer.models import JobStatus, StepStatus, TrainingJob
+
+# Long waits (waits/rollouts, long-polled dequeues) last up to a minute: buckets reach past it.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 90)
+
+http_requests = Counter(
+    "lightning_http_requests", "HTTP requests served, by route pattern, method and status",
+    ["route", "method", "status"],
+)
+http_latency = Histogram(
+    "lightning_http_request_seconds", "Time to answer an HTTP request, by route pattern",
+    ["route"], buckets=LATENCY_BUCKETS,
+)
+
+
+def _route(request: HttpRequest) -> str:
+    """The URL pattern, not the path: one label value per route, whatever the ids."""
+    match = getattr(request, "resolver_match", None)
+    return f"/{match.route}" if match and match.route else "unmatched"
+
+
+class RequestMetricsMiddleware:
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]):
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        started = time.perf_counter()
+        response = self.get_response(request)
+        route = _route(request)
+        http_latency.labels(route).observe(time.perf_counter() - started)
+        http_requests.labels(route, request.method, str(response.status_code)).inc()
+        return response
+
+
+def _gauge(name: str, documentation: str, labels: list[str],
+           rows: Iterator[tuple[tuple[str, ...], float]]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, documentation, labels=labels)
+    for label_values, value in rows:
+        family.add_metric(list(label_values), value)
+    return family
+
+
+class StoreCollector(Collector):
+    """The store's state, read at scrape time with grouped queries (one row per label set)."""
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        rollouts = list(Rollout.objects.values_list("project__name", "status")
+                        .annotate(n=Count("pk")).order_by())
+        yield _gauge("lightning_rollouts", "Rollouts by project and status",
+                     ["project", "status"], (((p, s), n) for p, s, n in rollouts))
+        depth: dict[str, int] = {}
+        for project, status, n in rollouts:
+            depth[project] = depth.get(project, 0) + (n if status in QUEUED else 0)
+        yield _gauge("lightning_queue_depth", "Rollouts waiting in the queue, by project",
+                     ["project"], (((p,), n) for p, n in depth.items()))
+        attempts = Attempt.objects.values_list("status").annotate(
+            n=Count("pk"), retries=Count("pk", filter=Q(sequence_id__gt=1))).order_by()
+        attempts = list(attempts)
+        yield _gauge("lightning_attempts", "Attempts by status (timeout and unresponsive are the "
+                     "watchdog's verdicts)", ["status"], (((s,), n) for s, n, _ in attempts))
+        yield _gauge("lightning_attempts_retried", "Attempts that are retries (sequence > 1)",
+                     [], iter([((), sum(r for _, _, r in attempts))]))
+        yield from self._resources_and_workers()
+        yield from self._training()
+        yield from self._spans()
+
+    def _resources_and_workers(self) -> Iterator[GaugeMetricFamily]:
+        versions = ResourceSet.objects.values_list("project__name", "resources_id", "version")
+        yield _gauge("lightning_resource_versions", "Latest version number per resources id",
+                     ["project", "resources_id"], (((p, r), v) for p, r, v in versions))
+        states = queue_states()
+        yield _gauge("lightning_workers_live", "Live Celery workers per queue",
+                     ["queue"], (((q.queue,), len(q.live_workers)) for q in states))
+        yield _gauge("lightning_workers_live_cuda", "Live Celery workers with CUDA per queue",
+                     ["queue"], (((q.queue,), len(q.cuda_workers)) for q in states))
+
+    def _training(self) -> Iterator[GaugeMetricFamily]:
+        wait, train = [], []
+        for job in TrainingJob.objects.filter(status=JobStatus.RUNNING):
+            done = [r for r in trainer_selectors.step_rows(job=job)
+                    if r.step.status == StepStatus.DONE]
+            if done:
+                last = done[-1]
+                if last.wait_seconds is not None:
+                    wait.append(((str(job.pk),), last.wait_seconds))
+                if "train_seconds" in last.step.timings:
+                    train.append(((str(job.pk),), last.step.timings["train_seconds"]))
+        yield _gauge("lightning_train_step_wait_seconds", "Last finished step of each running "
+                     "job: seconds from planned to its rollouts done", ["job"], iter(wait))
+        yield _gauge("lightning_train_step_train_seconds", "Last finished step of each running "
+                     "job: seconds spent training", ["job"], iter(train))
+
+    def _spans(self) -> Iterator[GaugeMetricFamily]:
+        if connection.vendor != "postgresql":
+            return
+        # Postgres' own count of rows written to the span table (COPY included): cumulative
+        # like a counter, and free to read, unlike a count(*) over millions of spans.
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT n_tup_ins FROM pg_stat_user_tables WHERE relname = %s",
+                           [Span._meta.db_table])
+            row = cursor.fetchone()
+        if row:
+            yield _gauge("lightning_spans_ingested", "Spans written to the store since its "
+                         "statistics were reset (Postgres pg_stat_user_tables)", [],
+                         iter([((), row[0])]))
+
+
+_store_registry = CollectorRegistry(auto_describe=False)
+_store_registry.register(StoreCollector())
+
+
+def _process_registry() -> CollectorRegistry:
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return REGISTRY
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    return registry
+
+
+def _allowed(request: HttpRequest) -> bool:
+    if request.user.is_authenticated and request.user.is_staff:
+        return True
+    token = settings.METRICS_TOKEN
+    header = request.headers.get("Authorization", "")
+    return bool(token) and hmac.compare_digest(header.encode(), f"Bearer {token}".encode())
+
+
+def metrics_view(request: HttpRequest) -> HttpResponse:
+    if not _allowed(request):
+        return HttpResponse("metrics need a staff login or 'Authorization: Bearer "
+                            "$METRICS_TOKEN'\n", status=401, content_type="text/plain")
+    body = generate_latest(_process_registry()) + generate_latest(_store_registry)
+    return HttpResponse(body, content_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,154 @@
+"""/metrics: who may scrape it, what it says about the store, and counters summed across
+gunicorn workers (prometheus-client's multiprocess mode, lightning_site/gunicorn_conf.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import httpx
+import pytest
+import yaml
+from django.contrib.auth.models import User
+from prometheus_client import REGISTRY
+from prometheus_client.parser import text_string_to_metric_families
+
+from lightning_site.gateway_metrics import record_completion
+from store import services
+from tests.api.conftest import ROOT, database_url_for_tests
+from tests.celery_fixtures import wait_until
+from tests.conftest import claim, enqueue
+
+pytestmark = pytest.mark.django_db(transaction=True)
+GUNICORN_PORT = 18410
+
+
+def _samples(text: str) -> dict[tuple[str, frozenset], float]:
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_need_staff_or_the_bearer_token(client, settings):
+    settings.METRICS_TOKEN = "scrape-me"
+    assert client.get("/metrics").status_code == 401
+    assert client.get("/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    ok = client.get("/metrics", headers={"Authorization": "Bearer scrape-me"})
+    assert ok.status_code == 200 and ok["Content-Type"].startswith("text/plain")
+    settings.METRICS_TOKEN = None
+    assert client.get("/metrics", headers={"Authorization": "Bearer None"}).status_code == 401
+    client.force_login(User.objects.create_user("ops", is_staff=True))
+    assert client.get("/metrics").status_code == 200
+
+
+def test_the_scrape_reports_rollouts_queue_depth_attempts_resources_and_requests(
+        client, settings):
+    settings.METRICS_TOKEN = "t"
+    auth = {"Authorization": "Bearer t"}
+    project = services.project_create(name="metered")
+    enqueue(project, 3)
+    claim(project)
+    services.resources_add(project=project, resources={"prompt": {"text": "hi"}})
+    before = REGISTRY.get_sample_value("lightning_http_requests_total", {
+        "route": "/v1/agl/health", "method": "GET", "status": "200"}) or 0.0
+    assert client.get("/v1/agl/health").status_code == 200
+    samples = _samples(client.get("/metrics", headers=auth).text)
+
+    def value(name: str, **labels: str) -> float:
+        return samples[(name, frozenset(labels.items()))]
+
+    assert value("lightning_rollouts", project="metered", status="queuing") == 2
+    assert value("lightning_rollouts", project="metered", status="preparing") == 1
+    assert value("lightning_queue_depth", project="metered") == 2
+    assert value("lightning_attempts", status="preparing") == 1
+    assert value("lightning_attempts_retried") == 0
+    assert [v for (n, labels), v in samples.items() if n == "lightning_resource_versions"
+            and ("project", "metered") in labels] == [1]
+    assert value("lightning_workers_live", queue="rollouts") == 0
+    assert value("lightning_spans_ingested") >= 0
+    assert value("lightning_http_requests_total", route="/v1/agl/health", method="GET",
+                 status="200") == before + 1
+    assert value("lightning_http_request_seconds_bucket", route="/v1/agl/health",
+                 le="+Inf") >= 1
+
+
+def test_gateway_completions_count_tokens_and_latency():
+    def sample(name: str) -> float:
+        return REGISTRY.get_sample_value(name, {"model": "tiny"}) or 0.0
+
+    before = [sample(n) for n in ("lightning_gateway_requests_total",
+                                  "lightning_gateway_prompt_tokens_total",
+                                  "lightning_gateway_completion_tokens_total",
+                                  "lightning_gateway_request_seconds_count")]
+    record_completion("tiny", prompt_tokens=12, completion_tokens=30, seconds=0.4)
+    record_completion(model="tiny", prompt_tokens=3, completion_tokens=5, seconds=1.2)
+    after = [sample(n) for n in ("lightning_gateway_requests_total",
+                                 "lightning_gateway_prompt_tokens_total",
+                                 "lightning_gateway_completion_tokens_total",
+                                 "lightning_gateway_request_seconds_count")]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [2, 15, 35, 2]
+
+
+@pytest.fixture
+def gunicorn_multiprocess(tmp_path):
+    metrics_dir = tmp_path / "prometheus"
+    metrics_dir.mkdir()
+    (metrics_dir / "counter_stale.db").write_bytes(b"left by a previous run")
+    env = {**os.environ, "DATABASE_URL": database_url_for_tests(), "LOG_LEVEL": "WARNING",
+           "DJANGO_SECRET_KEY": "test-suite-only", "METRICS_TOKEN": "t",
+           "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gunicorn", "lightning_site.wsgi:application",
+         "-c", "python:lightning_site.gunicorn_conf", "-b", f"127.0.0.1:{GUNICORN_PORT}",
+         "--workers", "2", "--threads", "2"],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True)
+    url = f"http://127.0.0.1:{GUNICORN_PORT}"
+
+    def up() -> bool:
+        try:
+            return httpx.get(url + "/v1/agl/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_until(up, timeout=60, message="gunicorn did not come up")
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def test_request_counts_are_summed_across_gunicorn_workers(gunicorn_multiprocess):
+    url = gunicorn_multiprocess
+    with httpx.Client() as one, httpx.Client() as other:  # two connections: both workers serve
+        for _ in range(10):
+            one.get(url + "/v1/agl/health")
+            other.get(url + "/v1/agl/health")
+    text = httpx.get(url + "/metrics", headers={"Authorization": "Bearer t"}, timeout=30).text
+    samples = _samples(text)
+    served = samples[("lightning_http_requests_total", frozenset(
+        {"route": "/v1/agl/health", "method": "GET", "status": "200"}.items()))]
+    assert served >= 20  # plus the readiness probes
+    assert ("lightning_rollouts" in text) and "process_cpu_seconds_total" not in text
+
+
+def test_the_sample_dashboard_and_scrape_config_use_what_the_endpoint_serves(client, settings):
+    settings.METRICS_TOKEN = "t"
+    record_completion("tiny", prompt_tokens=1, completion_tokens=1, seconds=0.1)
+    project = services.project_create(name="dash")
+    enqueue(project, 1)
+    client.get("/v1/agl/health")
+    families = list(text_string_to_metric_families(
+        client.get("/metrics", headers={"Authorization": "Bearer t"}).text))
+    served = {f.name for f in families} | {s.name for f in families for s in f.samples}
+    dashboard = json.loads((ROOT / "deploy" / "grafana-dashboard.json").read_text())
+    used = {name for panel in dashboard["panels"] for target in panel["targets"]
+            for name in re.findall(r"\blightning_[a-z_]+", target["expr"])}
+    assert len(used) >= 12 and used <= served, used - served
+    scrape = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())["scrape_configs"][0]
+    assert scrape["metrics_path"] == "/metrics"
+    assert scrape["authorization"]["type"] == "Bearer"
