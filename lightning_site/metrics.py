@@ -145,7 +145,8 @@ _store_registry.register(StoreCollector())
 
 
 def _process_registry() -> CollectorRegistry:
-    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    # prometheus-client switches to multiprocess mode when the variable is set at all.
+    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
         return REGISTRY
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry)
