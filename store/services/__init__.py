@@ -2,7 +2,12 @@
 
 from store.services.attempts import AttemptUpdate, attempt_update, attempt_update_many
 from store.services.dispatch import Dispatch, rollout_dispatch_due, rollout_dispatch_set
-from store.services.projects import api_key_authenticate, api_key_create, project_create
+from store.services.projects import (
+    api_key_authenticate,
+    api_key_create,
+    project_create,
+    project_first_start,
+)
 from store.services.resources import (
     resources_add,
     resources_retain,
@@ -39,6 +44,7 @@ __all__ = [
     "attempt_update",
     "attempt_update_many",
     "project_create",
+    "project_first_start",
     "resources_add",
     "resources_retain",
     "resources_set_keep",

@@ -57,3 +57,14 @@ def api_key_authenticate(*, raw: str) -> ApiKey | None:
         with transaction.atomic():
             ApiKey.objects.filter(pk=key.pk).update(last_used_at=now)
     return key
+
+
+def project_first_start(*, name: str, role: str) -> str | None:
+    """A store's first start: create project `name` with one key of `role` and return the raw
+    key (shown once); None when the project already exists (a later start)."""
+    with transaction.atomic():
+        if Project.objects.filter(name=name).exists():
+            return None
+        project = project_create(name=name, description="made by the store's first start")
+        _, raw = api_key_create(project=project, role=role)
+    return raw
