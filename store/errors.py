@@ -8,10 +8,20 @@ class StoreError(Exception):
 
 
 class NotFound(StoreError):
-    def __init__(self, kind: str, ident: object) -> None:
-        super().__init__(f"{kind} {ident!r} not found")
+    """Worded as AGL 0.3's store words it, so AGL's client raises the same message:
+    `Rollout <id> not found`, `Attempt <aid> not found for rollout <rid>`."""
+
+    def __init__(self, kind: str, ident: object, message: str | None = None) -> None:
+        super().__init__(message or _not_found(kind, ident))
         self.kind = kind
         self.ident = ident
+
+
+def _not_found(kind: str, ident: object) -> str:
+    if kind == "attempt" and isinstance(ident, str) and "/" in ident:
+        rollout_id, attempt_id = ident.split("/", 1)
+        return f"Attempt {attempt_id} not found for rollout {rollout_id}"
+    return f"{kind[:1].upper()}{kind[1:]} {ident} not found"
 
 
 class IllegalTransition(StoreError):
@@ -28,6 +38,11 @@ class InvalidInput(StoreError, ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+
+
+class BadQuery(StoreError):
+    """A request AGL 0.3's server refuses with 400 and a message (bad paging, an explicit
+    null for a field that cannot be null)."""
 
 
 class ResourceInUse(StoreError):

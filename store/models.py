@@ -129,6 +129,8 @@ class Rollout(models.Model):
     # When its message was last sent, and how many times it was sent.
     dispatched_at = models.DateTimeField(null=True, blank=True)
     dispatch_count = models.PositiveIntegerField(default=0)
+    # AGL's span sequence counter: one per rollout, shared by its attempts.
+    next_span_sequence_id = models.PositiveIntegerField(default=1)
 
     class Meta:
         indexes = [
@@ -187,7 +189,6 @@ class Attempt(models.Model):
     # When the watchdog must look at this attempt: the earlier of the timeout and the
     # unresponsive limit; None when its rollout's config sets neither.
     deadline = models.DateTimeField(null=True, blank=True)
-    next_span_sequence_id = models.PositiveIntegerField(default=1)
 
     class Meta:
         constraints = [

@@ -9,16 +9,42 @@ from functools import reduce
 from operator import and_, or_
 from typing import Any, Generic, TypeVar
 
-from django.db.models import Count, F, Q, QuerySet
+from django.db.models import Count, F, OrderBy, Q, QuerySet
 
 from store import wakeups
-from store.errors import InvalidInput, NotFound
+from store.errors import BadQuery, InvalidInput, NotFound
 from store.models import Attempt, Project, ResourceSet, ResourceVersion, Rollout, Span, Worker
 from store.statemachine import ROLLOUT_TERMINAL
 
 T = TypeVar("T")
 
 MAX_WAIT_SECONDS = 60.0
+
+# Each AGL object's fields in AGL's order (its "allowed fields" message), with their columns.
+ROLLOUT_FIELDS = {
+    "rollout_id": "id", "input": "input", "start_time": "start_time", "end_time": "end_time",
+    "mode": "mode", "resources_id": "resources_id", "status": "status", "config": "config",
+    "metadata": "metadata",
+}
+ATTEMPT_FIELDS = {
+    name: name for name in ("rollout_id", "attempt_id", "sequence_id", "start_time", "end_time",
+                            "status", "worker_id", "last_heartbeat_time", "metadata")
+}
+WORKER_FIELDS = {
+    name: name for name in ("worker_id", "status", "heartbeat_stats", "last_heartbeat_time",
+                            "last_dequeue_time", "last_busy_time", "last_idle_time",
+                            "current_rollout_id", "current_attempt_id")
+}
+RESOURCES_FIELDS = {
+    "resources_id": "resource_set__resources_id", "create_time": "resource_set__create_time",
+    "update_time": "created_at", "version": "version", "resources": "resources",
+}
+SPAN_FIELDS = {
+    name: name for name in ("rollout_id", "attempt_id", "sequence_id", "trace_id", "span_id",
+                            "parent_id", "name", "status", "attributes", "events", "links",
+                            "start_time", "end_time", "context", "parent", "resource")
+}
+SPAN_FIELDS["attempt_id"] = "attempt__attempt_id"
 
 
 @dataclass
@@ -33,17 +59,44 @@ def _paginate(
     qs: QuerySet, *, limit: int, offset: int, sort_by: str | None, sort_order: str,
     sortable: dict[str, str], default: str,
 ) -> Page:
-    if sort_order not in ("asc", "desc"):
-        raise InvalidInput("sort_order", "must be 'asc' or 'desc'")
-    if sort_by is not None and sort_by not in sortable:
-        raise InvalidInput("sort_by", f"must be one of {sorted(sortable)}")
-    if offset < 0:
-        raise InvalidInput("offset", "must be >= 0")
+    """AGL's paging: `sortable` maps each field of the AGL object, in AGL's order, to its
+    column. None sorts as AGL's in-memory store sorts it: `*_time` fields as infinity (last
+    ascending), others as the empty value (first ascending)."""
+    check_page(limit=limit, offset=offset, sort_by=sort_by, sort_order=sort_order,
+               fields=sortable)
     column = sortable[sort_by] if sort_by else default
-    ordered = qs.order_by(F(column).desc() if sort_order == "desc" else F(column).asc(), "pk")
+    ordered = qs.order_by(_order(qs.model, column, sort_by or column, sort_order), "pk")
     total = qs.count()
     window = ordered[offset:] if limit < 0 else ordered[offset : offset + limit]
     return Page(list(window), limit, offset, total)
+
+
+def _order(model: type, column: str, name: str, sort_order: str) -> OrderBy:
+    """None first ascending (last for `*_time`); a column that cannot hold NULL gets no
+    NULLS clause, so its index still serves the order."""
+    field = None
+    for part in column.split("__"):
+        field = model._meta.get_field(part)
+        model = field.related_model or model
+    if not field.null:
+        return F(column).desc() if sort_order == "desc" else F(column).asc()
+    late = name.endswith("_time")
+    if sort_order == "desc":
+        return F(column).desc(nulls_first=True) if late else F(column).desc(nulls_last=True)
+    return F(column).asc(nulls_last=True) if late else F(column).asc(nulls_first=True)
+
+
+def check_page(*, limit: int, offset: int, sort_by: str | None, sort_order: str,
+               fields: Sequence[str]) -> None:
+    """AGL 0.3's server checks, with its 400 messages."""
+    if sort_by is not None and sort_by not in fields:
+        raise BadQuery(f"Invalid sort_by: {sort_by}, allowed fields are: {', '.join(fields)}")
+    if sort_order not in ("asc", "desc"):
+        raise InvalidInput("sort_order", "must be 'asc' or 'desc'")
+    if limit == 0 or limit < -1:
+        raise BadQuery("Limit must be greater than 0 or -1 for no limit")
+    if offset < 0:
+        raise BadQuery("Offset must be greater than or equal to 0")
 
 
 def _combine(conditions: list[Q], logic: str) -> Q:
@@ -78,8 +131,7 @@ def rollout_query(
         conditions.append(Q(pk__contains=rollout_id_contains))
     qs = Rollout.objects.select_related("latest_attempt").filter(project=project)
     qs = qs.filter(_combine(conditions, filter_logic))
-    sortable = {"rollout_id": "id", "start_time": "start_time", "end_time": "end_time",
-                "status": "status", "mode": "mode", "priority": "priority"}
+    sortable = ROLLOUT_FIELDS
     return _paginate(qs, limit=limit, offset=offset, sort_by=sort_by, sort_order=sort_order,
                      sortable=sortable, default="start_time")
 
@@ -88,11 +140,9 @@ def attempt_query(
     *, project: Project, rollout_id: str, limit: int = -1, offset: int = 0,
     sort_by: str | None = None, sort_order: str = "asc",
 ) -> Page[Attempt]:
-    if not Rollout.objects.filter(project=project, pk=rollout_id).exists():
-        raise NotFound("rollout", rollout_id)
-    qs = Attempt.objects.filter(rollout_id=rollout_id)
-    sortable = {"sequence_id": "sequence_id", "start_time": "start_time", "status": "status",
-                "attempt_id": "attempt_id"}
+    # An unknown rollout has no attempts: an empty page, as AGL answers.
+    qs = Attempt.objects.filter(rollout_id=rollout_id, rollout__project=project)
+    sortable = ATTEMPT_FIELDS
     return _paginate(qs, limit=limit, offset=offset, sort_by=sort_by, sort_order=sort_order,
                      sortable=sortable, default="sequence_id")
 
@@ -125,7 +175,12 @@ def span_query(
     unknown = set(text) - allowed
     if unknown:
         raise InvalidInput(sorted(unknown)[0], "unknown filter")
-    rollout = rollout_get(project=project, rollout_id=rollout_id)
+    rollout = Rollout.objects.filter(project=project, pk=rollout_id).only(
+        "pk", "latest_attempt").first()
+    if rollout is None:  # an unknown rollout has no spans: an empty page, as AGL answers
+        check_page(limit=limit, offset=offset, sort_by=sort_by, sort_order=sort_order,
+                   fields=SPAN_FIELDS)
+        return Page([], limit, offset, 0)
     qs = Span.objects.filter(rollout_id=rollout.pk).select_related("attempt").defer(
         "attempt__metadata"
     )
@@ -138,8 +193,7 @@ def span_query(
         if value is not None:
             conditions.append(Q(**{name.replace("_contains", "__contains"): value}))
     qs = qs.filter(_combine(conditions, filter_logic))
-    sortable = {"sequence_id": "sequence_id", "start_time": "start_time",
-                "end_time": "end_time", "name": "name", "span_id": "span_id"}
+    sortable = SPAN_FIELDS
     return _paginate(qs, limit=limit, offset=offset, sort_by=sort_by, sort_order=sort_order,
                      sortable=sortable, default="sequence_id")
 
@@ -155,8 +209,7 @@ def worker_query(
     if worker_id_contains:
         conditions.append(Q(worker_id__contains=worker_id_contains))
     qs = Worker.objects.filter(project=project).filter(_combine(conditions, filter_logic))
-    sortable = {"worker_id": "worker_id", "status": "status",
-                "last_heartbeat_time": "last_heartbeat_time"}
+    sortable = WORKER_FIELDS
     return _paginate(qs, limit=limit, offset=offset, sort_by=sort_by, sort_order=sort_order,
                      sortable=sortable, default="worker_id")
 
@@ -213,9 +266,7 @@ def resources_query(
         qs = qs.filter(resource_set__resources_id=resources_id)
     if resources_id_contains:
         qs = qs.filter(resource_set__resources_id__contains=resources_id_contains)
-    sortable = {"resources_id": "resource_set__resources_id",
-                "update_time": "resource_set__update_time",
-                "create_time": "resource_set__create_time", "version": "version"}
+    sortable = RESOURCES_FIELDS
     return _paginate(qs, limit=limit, offset=offset, sort_by=sort_by, sort_order=sort_order,
                      sortable=sortable, default="resource_set__update_time")
 
@@ -260,15 +311,22 @@ def _of_project(project: Project, rollout_ids: Sequence[str], *fields: str) -> l
     return [row[1:] for row in rows if row[0] == project.pk]
 
 
+_STARTED = time.time()
+
+
 def statistics(*, project: Project) -> dict[str, Any]:
+    """AGL's statistics (`name`, totals, `uptime`: seconds since this process started),
+    plus rollouts by status."""
     by_status = dict(
         Rollout.objects.filter(project=project).values_list("status").annotate(n=Count("pk"))
     )
     return {
+        "name": "DjangoLightningStore",
         "total_rollouts": sum(by_status.values()),
         "rollouts_by_status": by_status,
         "total_attempts": Attempt.objects.filter(rollout__project=project).count(),
         "total_spans": Span.objects.filter(rollout__project=project).count(),
         "total_resources": ResourceSet.objects.filter(project=project).count(),
         "total_workers": Worker.objects.filter(project=project).count(),
+        "uptime": time.time() - _STARTED,
     }

@@ -1,7 +1,10 @@
 """Agent Lightning 0.3's status machine, as pure functions (no database).
 
-A rollout follows its latest attempt; terminal rollouts stay terminal (AGL 0.3 let a late
-report turn a cancelled or timed-out rollout into "succeeded": we record it on the attempt only).
+A rollout follows its latest attempt; terminal rollouts stay terminal against late runner
+reports and the watchdog (AGL 0.3 let a late report turn a cancelled or timed-out rollout into
+"succeeded": we record it on the attempt only). The algorithm's explicit commands are honoured
+as AGL honours them: `update_rollout(status=...)` and `start_attempt` may reopen a terminal
+rollout (requeue a failed one, retry a finished one by hand).
 """
 
 from __future__ import annotations
@@ -130,12 +133,13 @@ def check_attempt_transition(current: str, requested: str) -> bool:
     return True
 
 
-def check_rollout_transition(current: str, requested: str) -> bool:
-    """True when a rollout may go from `current` to `requested`; False for a no-op."""
+def check_rollout_transition(current: str, requested: str, *, explicit: bool = False) -> bool:
+    """True when a rollout may go from `current` to `requested`; False for a no-op.
+    `explicit`: the algorithm's own command, which may leave a terminal status."""
     if requested not in RolloutStatus.values:
         raise ValueError(f"unknown rollout status {requested!r}")
     if current == requested:
         return False
-    if current in ROLLOUT_TERMINAL:
+    if current in ROLLOUT_TERMINAL and not explicit:
         raise ValueError("terminal rollouts stay terminal")
     return True

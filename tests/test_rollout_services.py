@@ -4,7 +4,7 @@ import pytest
 from django.utils import timezone
 
 from store import selectors, services
-from store.errors import IllegalTransition, InvalidInput, NotFound
+from store.errors import InvalidInput, NotFound
 from store.models import Rollout, Worker
 from store.services import RolloutSpec
 from tests.conftest import claim, enqueue
@@ -22,13 +22,28 @@ def test_enqueue_creates_queued_rollout_with_agl_ids(project):
     assert rollout.latest_attempt is None and rollout.end_time is None
 
 
-def test_enqueue_refuses_bad_mode_and_unknown_resources(project):
+def test_enqueue_refuses_bad_mode(project):
     with pytest.raises(InvalidInput) as err:
         services.rollout_enqueue(project=project, spec=RolloutSpec(input=1, mode="play"))
     assert err.value.field == "mode"
-    with pytest.raises(NotFound):
-        services.rollout_enqueue(project=project, spec=RolloutSpec(input=1, resources_id="rs-x"))
     assert Rollout.objects.count() == 0
+
+
+def test_unknown_resources_id_is_stored_as_given_and_pinned_once_it_exists(project):
+    rollout = services.rollout_enqueue(project=project, spec=RolloutSpec(input=1,
+                                                                          resources_id="rs-later"))
+    assert (rollout.resources_id, rollout.resources_version) == ("rs-later", None)
+    _, attempt = services.rollout_start(project=project, spec=RolloutSpec(input=2,
+                                                                           resources_id="rs-x"))
+    assert attempt.rollout.resources_id == "rs-x"
+    services.resources_update(project=project, resources_id="rs-later",
+                              resources={"p": {"resource_type": "x"}})
+    moved = services.rollout_update(project=project, rollout_id=rollout.pk,
+                                    resources_id="rs-later")
+    assert (moved.resources_id, moved.resources_version) == ("rs-later", 1)
+    moved = services.rollout_update(project=project, rollout_id=rollout.pk,
+                                    resources_id="rs-nowhere")
+    assert (moved.resources_id, moved.resources_version) == ("rs-nowhere", None)
 
 
 def test_enqueue_many_is_all_or_nothing(project):
@@ -119,11 +134,15 @@ def test_start_attempt_by_hand_ignores_max_attempts(project):
     assert rollout.status == "preparing"
 
 
-def test_start_attempt_on_terminal_rollout_is_illegal(project):
-    rollout = enqueue(project, 1)[0]
-    services.rollout_update(project=project, rollout_id=rollout.pk, status="cancelled")
-    with pytest.raises(IllegalTransition):
-        services.attempt_start(project=project, rollout_id=rollout.pk)
+def test_start_attempt_by_hand_reopens_a_finished_rollout(project):
+    enqueue(project, 1)
+    rollout, first = claim(project)
+    services.attempt_update(project=project, rollout_id=rollout.pk,
+                            attempt_id=first.attempt_id, status="succeeded")
+    _, second = services.attempt_start(project=project, rollout_id=rollout.pk)
+    rollout.refresh_from_db()
+    assert second.sequence_id == 2 and rollout.latest_attempt_id == second.pk
+    assert rollout.status == "preparing" and rollout.end_time is None
 
 
 def test_update_rollout_cancel_sets_end_time_and_removes_from_queue(project):
@@ -133,11 +152,26 @@ def test_update_rollout_cancel_sets_end_time_and_removes_from_queue(project):
     assert services.rollout_dequeue(project=project) is None
 
 
-def test_terminal_rollout_refuses_another_status(project):
-    rollout = enqueue(project, 1)[0]
+def test_algorithm_may_requeue_a_failed_rollout(project):
+    enqueue(project, 1)
+    rollout, attempt = claim(project)
+    services.attempt_update(project=project, rollout_id=rollout.pk,
+                            attempt_id=attempt.attempt_id, status="failed")
+    rollout.refresh_from_db()
+    assert rollout.status == "failed"
+    requeued = services.rollout_update(project=project, rollout_id=rollout.pk,
+                                       status="requeuing")
+    assert requeued.status == "requeuing" and requeued.end_time is None
+    again, retry = services.rollout_dequeue(project=project)
+    assert again.pk == rollout.pk and retry.sequence_id == 2
+
+
+def test_terminal_rollout_stays_terminal_against_a_late_runner_report(project):
+    enqueue(project, 1)
+    rollout, attempt = claim(project)
     services.rollout_update(project=project, rollout_id=rollout.pk, status="cancelled")
-    with pytest.raises(IllegalTransition):
-        services.rollout_update(project=project, rollout_id=rollout.pk, status="queuing")
+    services.attempt_update(project=project, rollout_id=rollout.pk,
+                            attempt_id=attempt.attempt_id, status="succeeded")
     rollout.refresh_from_db()
     assert rollout.status == "cancelled"
 

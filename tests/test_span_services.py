@@ -4,7 +4,7 @@ import pytest
 from django.utils import timezone
 
 from store import selectors, services
-from store.errors import InvalidInput, NotFound
+from store.errors import BadQuery, InvalidInput, NotFound
 from store.models import Attempt, Rollout, Span
 from tests.conftest import claim, enqueue
 
@@ -64,13 +64,13 @@ def test_span_revives_unresponsive_attempt(project):
 
 
 @pytest.mark.parametrize("ended", ["timeout", "failed", "succeeded"])
-def test_span_never_revives_an_ended_attempt(project, ended):
+def test_span_never_revives_an_ended_attempt_but_records_its_heartbeat(project, ended):
     enqueue(project, 1)
     rollout, attempt = claim(project)
     Attempt.objects.filter(pk=attempt.pk).update(status=ended)
     services.span_add(project=project, span=span(rollout, attempt, 1))
     attempt.refresh_from_db()
-    assert attempt.status == ended
+    assert attempt.status == ended and attempt.last_heartbeat_time is not None
 
 
 def test_span_does_not_move_a_terminal_rollout(project):
@@ -112,8 +112,36 @@ def test_next_sequence_ids_are_reserved_in_blocks(project):
     assert services.span_next_sequence_id(**kw) == 1
     assert services.span_next_sequence_id(**kw, count=5) == 2
     assert services.span_next_sequence_id(**kw) == 7
-    with pytest.raises(NotFound):
-        services.span_next_sequence_id(project=project, rollout_id=rollout.pk, attempt_id="at-x")
+    # The counter is the rollout's: any attempt id of a known rollout will do, as in AGL.
+    assert services.span_next_sequence_id(project=project, rollout_id=rollout.pk,
+                                          attempt_id="at-x") == 8
+    with pytest.raises(NotFound, match="Rollout ro-missing not found"):
+        services.span_next_sequence_id(project=project, rollout_id="ro-missing", attempt_id="a")
+
+
+def test_sequence_ids_are_one_counter_per_rollout_shared_by_its_attempts(project):
+    enqueue(project, 1, config={"max_attempts": 2, "retry_condition": ["failed"]})
+    rollout, first = claim(project)
+    services.span_add(project=project, span=span(rollout, first, 0, sequence_id=None, span_id="a" * 16))
+    services.attempt_update(project=project, rollout_id=rollout.pk,
+                            attempt_id=first.attempt_id, status="failed")
+    _, second = claim(project)
+    for n in range(3):
+        services.span_add(project=project, span=span(rollout, second, 0, sequence_id=None, span_id=f"{n:016x}"))
+    ids = [(s.attempt_id, s.sequence_id) for s in Span.objects.order_by("pk")]
+    assert ids == [(first.pk, 1), (second.pk, 2), (second.pk, 3), (second.pk, 4)]
+
+
+def test_an_explicit_sequence_id_raises_the_rollouts_counter(project):
+    enqueue(project, 1)
+    rollout, attempt = claim(project)
+    services.span_add(project=project, span=span(rollout, attempt, 100))
+    kw = dict(project=project, rollout_id=rollout.pk, attempt_id=attempt.attempt_id)
+    assert services.span_next_sequence_id(**kw) == 101
+    services.span_add(project=project, span=span(rollout, attempt, 5, span_id="b" * 16))
+    added = services.span_add(project=project, span=span(rollout, attempt, 0, sequence_id=None,
+                                                         span_id="c" * 16))
+    assert added.sequence_id == 102
 
 
 def test_query_spans_latest_attempt_filters_and_pagination(project):
@@ -133,8 +161,10 @@ def test_query_spans_latest_attempt_filters_and_pagination(project):
     page = selectors.span_query(project=project, rollout_id=rollout.pk, name="step-1",
                                 span_id=f"{3:016x}", filter_logic="or")
     assert page.total == 4
-    with pytest.raises(InvalidInput):
+    with pytest.raises(BadQuery, match="Invalid sort_by: bogus, allowed fields are: rollout_id"):
         selectors.span_query(project=project, rollout_id=rollout.pk, sort_by="bogus")
+    unknown = selectors.span_query(project=project, rollout_id="ro-unknown")
+    assert unknown.total == 0 and unknown.items == []
 
 
 def test_large_batches_with_duplicates_store_each_span_once(project):

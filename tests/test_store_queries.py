@@ -3,7 +3,7 @@ import time
 import pytest
 
 from store import selectors, services
-from store.errors import InvalidInput, NotFound
+from store.errors import BadQuery, InvalidInput, NotFound
 from store.services import RolloutSpec
 from tests.conftest import claim, enqueue
 
@@ -26,11 +26,39 @@ def test_query_rollouts_filters_sorts_and_paginates(project, other_project):
     assert rollouts[2].pk in [r.pk for r in page.items]
 
 
-@pytest.mark.parametrize("kwargs", [{"sort_by": "bogus"}, {"sort_order": "up"},
-                                    {"filter_logic": "xor"}, {"offset": -1}])
+@pytest.mark.parametrize("kwargs", [{"sort_order": "up"}, {"filter_logic": "xor"}])
 def test_query_rollouts_refuses_bad_parameters(project, kwargs):
     with pytest.raises(InvalidInput):
         selectors.rollout_query(project=project, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"sort_by": "bogus"}, "Invalid sort_by: bogus, allowed fields are: rollout_id, input, "
+                           "start_time, end_time, mode, resources_id, status, config, metadata"),
+    ({"offset": -1}, "Offset must be greater than or equal to 0"),
+    ({"limit": 0}, "Limit must be greater than 0 or -1 for no limit"),
+])
+def test_query_rollouts_refuses_bad_paging_with_agls_messages(project, kwargs, message):
+    with pytest.raises(BadQuery) as err:
+        selectors.rollout_query(project=project, **kwargs)
+    assert str(err.value) == message
+
+
+def test_none_sorts_first_ascending_and_last_descending_except_times(project):
+    rollouts = enqueue(project, 3)
+    services.rollout_update(project=project, rollout_id=rollouts[1].pk, mode="val")
+    services.rollout_update(project=project, rollout_id=rollouts[2].pk, status="cancelled")
+    ids = [r.pk for r in rollouts]
+
+    def order(**kw):
+        return [r.pk for r in selectors.rollout_query(project=project, **kw).items]
+
+    assert order(sort_by="mode")[-1] == ids[1]  # None (as "") before "val"
+    assert order(sort_by="mode", sort_order="desc")[0] == ids[1]
+    # *_time: None counts as infinity, as in AGL's store.
+    assert order(sort_by="end_time")[0] == ids[2]
+    assert order(sort_by="end_time", sort_order="desc")[-1] == ids[2]
+    assert order(sort_by="metadata", limit=1)  # any field of the object sorts
 
 
 def test_query_attempts_and_latest(project):
@@ -42,8 +70,8 @@ def test_query_attempts_and_latest(project):
     assert selectors.attempt_latest(project=project, rollout_id=rollout.pk).pk == second.pk
     assert selectors.attempt_get(project=project, rollout_id=rollout.pk,
                                  attempt_id=first.attempt_id).pk == first.pk
-    with pytest.raises(NotFound):
-        selectors.attempt_query(project=project, rollout_id="ro-nope")
+    # AGL: an unknown rollout has no attempts, an empty page rather than an error.
+    assert selectors.attempt_query(project=project, rollout_id="ro-nope").total == 0
 
 
 def test_latest_attempt_of_unclaimed_rollout_is_none(project):

@@ -13,9 +13,11 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from store import watchdog
 from store.api import limits
 from store.api.auth import ApiKeyAuthentication, HasRole, KeyPrincipal
 from store.api.errors import PayloadTooLarge, exception_handler
+from store.errors import BadQuery
 from store.models import Project
 
 CANCELLED_HEADER = "X-Cancelled-Rollouts"
@@ -57,6 +59,8 @@ class StoreView(APIView):
     def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
         check_body_size(request)
         super().initial(request, *args, **kwargs)
+        if isinstance(request.user, KeyPrincipal):
+            watchdog.sweep_on_call(request.user.project.pk)
 
     @property
     def project(self) -> Project:
@@ -70,6 +74,16 @@ class StoreView(APIView):
         serializer = serializer_class(data={} if data is None else data)
         serializer.is_valid(raise_exception=True)
         return serializer.validated_data
+
+    def refuse_nulls(self, *fields: str) -> None:
+        """AGL 0.3's server: an explicit null for a field its store cannot take is a 400
+        (an omitted field is left as it is)."""
+        data = self.request.data
+        if not isinstance(data, dict):
+            return
+        for name in fields:
+            if name in data and data[name] is None:
+                raise BadQuery(f"{name} is invalid; it cannot be a null value.")
 
     def query(self, serializer_class: type[serializers.Serializer]) -> dict[str, Any]:
         self.validation_location = "query"

@@ -139,8 +139,9 @@ class StartRolloutIn(RolloutFieldsIn):
 
 
 class DequeueIn(serializers.Serializer):
+    # AGL answers `[]` for a limit of 0 or less.
     limit = serializers.IntegerField(
-        required=False, default=1, min_value=1, max_value=limits.MAX_ROLLOUTS_PER_REQUEST
+        required=False, default=1, min_value=-(2**31), max_value=limits.MAX_ROLLOUTS_PER_REQUEST
     )
     worker_id = serializers.CharField(required=False, allow_null=True, max_length=WORKER_ID_MAX)
     wait_seconds = SecondsField(
@@ -172,7 +173,10 @@ class UpdateAttemptIn(serializers.Serializer):
     status = serializers.ChoiceField(
         choices=AttemptStatus.values, required=False, allow_null=True
     )
-    worker_id = serializers.CharField(required=False, allow_null=True, max_length=WORKER_ID_MAX)
+    # "" clears the worker, as in AGL.
+    worker_id = serializers.CharField(
+        required=False, allow_null=True, allow_blank=True, max_length=WORKER_ID_MAX
+    )
     last_heartbeat_time = EpochField(required=False, allow_null=True)
     metadata = ObjectField(required=False, allow_null=True)
 
@@ -191,8 +195,9 @@ class UpdateWorkerIn(serializers.Serializer):
 
 
 class _PageIn(serializers.Serializer):
-    limit = serializers.IntegerField(required=False, default=-1, min_value=-1)
-    offset = serializers.IntegerField(required=False, default=0, min_value=0)
+    # Bounds are checked by the selector, with AGL's 400 messages.
+    limit = serializers.IntegerField(required=False, default=-1, min_value=-(2**31))
+    offset = serializers.IntegerField(required=False, default=0, min_value=-(2**31))
     sort_by = serializers.CharField(required=False, allow_null=True, max_length=40)
     sort_order = serializers.ChoiceField(choices=["asc", "desc"], required=False, default="asc")
 

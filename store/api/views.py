@@ -93,6 +93,8 @@ class DequeueRolloutsView(StoreView):
                    operation_id="dequeue_rollouts")
     def post(self, request: Request) -> Response:
         data = self.body(s.DequeueIn)
+        if data["limit"] <= 0:
+            return respond(s.AttemptedRolloutOut, [], many=True)
         claimed = rollout_dequeue_wait(
             project=self.project, worker_id=data.get("worker_id"), limit=data["limit"],
             wait_seconds=data["wait_seconds"],
@@ -160,6 +162,7 @@ class UpdateRolloutView(StoreView):
                    operation_id="update_rollout")
     def post(self, request: Request, rollout_id: str) -> Response:
         data = self.body(s.UpdateRolloutIn)
+        self.refuse_nulls("status", "config")
         rollout = services.rollout_update(project=self.project, rollout_id=rollout_id, **data)
         return respond(s.RolloutOut, rollout)
 
@@ -235,6 +238,7 @@ class UpdateAttemptView(StoreView):
                    operation_id="update_attempt")
     def post(self, request: Request, rollout_id: str, attempt_id: str) -> Response:
         data = self.body(s.UpdateAttemptIn)
+        self.refuse_nulls("status", "worker_id", "last_heartbeat_time", "metadata")
         if data.get("last_heartbeat_time", ...) is None:
             del data["last_heartbeat_time"]
         attempt = services.attempt_update(
@@ -304,6 +308,7 @@ class UpdateWorkerView(StoreView):
                    operation_id="update_worker")
     def post(self, request: Request, worker_id: str) -> Response:
         data = self.body(s.UpdateWorkerIn)
+        self.refuse_nulls("heartbeat_stats")
         if len(worker_id) > s.WORKER_ID_MAX:
             raise s.serializers.ValidationError({"worker_id": "too long"})
         worker = services.worker_update(

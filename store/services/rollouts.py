@@ -12,7 +12,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from store import hooks, wakeups
-from store.errors import IllegalTransition, InvalidInput, NotFound
+from store.errors import InvalidInput
 from store.ids import new_rollout_id
 from store.models import Attempt, Project, ResourceSet, Rollout
 from store.services._claim import attach, claim_queued, new_attempt
@@ -75,7 +75,8 @@ class _Pins:
 
     def pick(self, resources_id: str | None) -> tuple[str | None, int | None]:
         if resources_id:
-            return resources_id, self.versions[resources_id]
+            # An id that does not exist (yet) is kept as given, unpinned, as AGL keeps it.
+            return resources_id, self.versions.get(resources_id)
         if self.latest is None:
             return None, None
         return self.latest.resources_id, self.latest.version
@@ -98,9 +99,6 @@ def _pin_resources(project: Project, specs: Sequence[RolloutSpec]) -> _Pins:
         lock_resource_set_shared(project.pk, rid)
     sets = {r.resources_id: r
             for r in ResourceSet.objects.filter(project=project, resources_id__in=wanted)}
-    missing = named - set(sets)
-    if missing:
-        raise NotFound("resources", sorted(missing)[0])
     return _Pins({rid: rs.version for rid, rs in sets.items()}, sets.get(latest_id))
 
 
@@ -236,12 +234,14 @@ def rollout_start(
 def attempt_start(
     *, project: Project, rollout_id: str, worker_id: str | None = None
 ) -> tuple[Rollout, Attempt]:
-    """Start a new attempt by hand (ignores max_attempts, as AGL does)."""
+    """Start a new attempt by hand (ignores max_attempts, as AGL does). The algorithm's
+    explicit command: a terminal rollout is reopened (preparing), as in AGL."""
     now = timezone.now()
     with transaction.atomic():
         rollout = get_rollout(project, rollout_id, lock=True)
-        if rollout.status in ROLLOUT_TERMINAL:
-            raise IllegalTransition("rollout", rollout_id, rollout.status, "preparing")
+        if rollout.end_time is not None:
+            rollout.end_time = None
+            rollout.save(update_fields=["end_time"])
         attempt = new_attempt(rollout, worker_id, now)
         attach([rollout], [attempt])
         worker_sync_for_attempts(project.pk, [attempt], now)
@@ -262,7 +262,8 @@ def rollout_update(
     config: Any = _UNSET,
     metadata: Any = _UNSET,
 ) -> Rollout:
-    """AGL's update_rollout; fields left out are unchanged. Terminal rollouts stay terminal."""
+    """AGL's update_rollout; fields left out are unchanged. An explicit status is the
+    algorithm's command and may reopen a terminal rollout (requeue a failed one), as in AGL."""
     now = timezone.now()
     with transaction.atomic():
         rollout = get_rollout(project, rollout_id, lock=True)
@@ -294,18 +295,16 @@ def rollout_update(
 
 def _apply_rollout_status(rollout: Rollout, status: str, now: datetime, changed: list) -> None:
     try:
-        moved = check_rollout_transition(rollout.status, status)
+        moved = check_rollout_transition(rollout.status, status, explicit=True)
     except ValueError as exc:
-        if status not in RolloutStatus.values:
-            raise InvalidInput("status", str(exc)) from None
-        raise IllegalTransition("rollout", rollout.pk, rollout.status, status) from None
+        raise InvalidInput("status", str(exc)) from None
     if not moved:
         return
     rollout.status = status
-    changed.append("status")
+    changed += ["status", "end_time"]
+    rollout.end_time = None
     if status in ROLLOUT_TERMINAL:
         rollout.end_time = now
-        changed.append("end_time")
         hooks.notify_rollouts_finished([rollout])
     elif status in QUEUED:
         rollout.enqueue_time = now
@@ -321,7 +320,7 @@ def _apply_resources(project: Project, rollout: Rollout, resources_id: str | Non
     else:
         lock_resource_set_shared(project.pk, resources_id)
         rs = ResourceSet.objects.filter(project=project, resources_id=resources_id).first()
-        if rs is None:
-            raise NotFound("resources", resources_id)
-        rollout.resources_id, rollout.resources_version = rs.resources_id, rs.version
+        # Kept as given when it does not exist (yet), as AGL keeps it; pinned when it does.
+        rollout.resources_id = resources_id
+        rollout.resources_version = rs.version if rs is not None else None
     changed += ["resources_id", "resources_version"]

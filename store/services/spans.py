@@ -15,7 +15,7 @@ from django.utils import timezone
 from store.errors import InvalidInput, NotFound
 from store.models import Attempt, Project, Rollout, Span
 from store.services._bulk import Write, insert_new
-from store.services._common import attempt_deadline, attempt_filter
+from store.services._common import attempt_deadline
 from store.services._rows import attempts_locked
 from store.statemachine import AttemptStatus, RolloutConfig, RolloutStatus
 
@@ -64,17 +64,21 @@ def spans_ingest(
     now = now or timezone.now()
     with transaction.atomic():
         attempts = _attempts_for(project, spans)
-        reserved = _assign_sequence_ids(spans, attempts)
+        counted = _assign_sequence_ids(spans, attempts)
         rows = [_row(span, attempts[(span["rollout_id"], span["attempt_id"])]) for span in spans]
         due = _heartbeats_due(list(attempts.values()), now)
+        revived = [a for a in due if a.status in _REVIVABLE]
         for attempt in due:
-            attempt.status, attempt.last_heartbeat_time = AttemptStatus.RUNNING, now
+            # An ended attempt records the heartbeat too, and keeps its status (as in AGL).
+            attempt.last_heartbeat_time = now
+        for attempt in revived:
+            attempt.status = AttemptStatus.RUNNING
             attempt.deadline = _deadline(attempt, now)
-        touched = sorted({a.pk: a for a in reserved + due}.values(), key=lambda a: a.pk)
-        write = Write.set(touched, ["status", "last_heartbeat_time", "deadline",
-                                    "next_span_sequence_id"])
-        inserted = {id(row) for row in insert_new(rows, ["attempt", "span_id"], also=[write])}
-        _rollouts_running([a for a in due if a.rollout.latest_attempt_id == a.pk])
+        writes = [Write.set(sorted(due, key=lambda a: a.pk),
+                            ["status", "last_heartbeat_time", "deadline"]),
+                  Write.set(sorted(counted, key=lambda r: r.pk), ["next_span_sequence_id"])]
+        inserted = {id(row) for row in insert_new(rows, ["attempt", "span_id"], also=writes)}
+        _rollouts_running([a for a in revived if a.rollout.latest_attempt_id == a.pk])
     cancelled = {a.rollout_id for a in attempts.values()
                  if a.rollout.status == RolloutStatus.CANCELLED}
     return SpansIngested([row if id(row) in inserted else None for row in rows], cancelled)
@@ -99,25 +103,37 @@ def _validate(span: Any, index: int) -> None:
 
 
 def _attempts_for(project: Project, spans: Sequence[dict]) -> dict[tuple[str, str], Attempt]:
-    """The spans' attempts, locked in pk order (the one lock order) with their rollouts' state
-    (not locked: rollouts are only written by compare-and-swap here)."""
+    """The spans' attempts with their rollouts (one instance per rollout), locked in attempt
+    pk order, each rollout right after its first attempt (the one lock order): the rollout
+    holds the span sequence counter."""
     keys = {(s["rollout_id"], s["attempt_id"]) for s in spans}
     rollout_ids = sorted({rid for rid, _ in keys})
     attempt_ids = sorted({aid for _, aid in keys})
     if connection.vendor == "postgresql":
-        rows = attempts_locked(rollout_ids, attempt_ids, lock_rollouts=False)
+        rows = attempts_locked(rollout_ids, attempt_ids, lock_rollouts=True)
     else:  # the embedded SQLite default: its transactions are serialized (BEGIN IMMEDIATE)
-        rows = (
+        rows = list(
             Attempt.objects.select_related("rollout")
             .filter(rollout_id__in=rollout_ids, attempt_id__in=attempt_ids)
             .order_by("pk")
         )
+        shared: dict[str, Rollout] = {}
+        for attempt in rows:
+            attempt.rollout = shared.setdefault(attempt.rollout_id, attempt.rollout)
     # The project is checked here, not in SQL: see attempt_update_many.
     found = {(a.rollout_id, a.attempt_id): a for a in rows if a.rollout.project_id == project.pk}
     for key in sorted(keys):
         if key not in found:
+            if not any(rid == key[0] for rid, _ in found):
+                _check_rollout(project, key[0])
             raise NotFound("attempt", f"{key[0]}/{key[1]}")
     return {key: found[key] for key in keys}
+
+
+def _check_rollout(project: Project, rollout_id: str) -> None:
+    """AGL's wording: `Rollout <id> not found` before `Attempt <id> not found ...`."""
+    if not Rollout.objects.filter(project=project, pk=rollout_id).exists():
+        raise NotFound("rollout", rollout_id)
 
 
 def _row(span: dict[str, Any], attempt: Attempt) -> Span:
@@ -151,29 +167,36 @@ def _row(span: dict[str, Any], attempt: Attempt) -> Span:
 
 def _assign_sequence_ids(
     spans: Sequence[dict[str, Any]], attempts: dict[tuple[str, str], Attempt]
-) -> list[Attempt]:
-    """Give spans without a sequence id their attempt's next ids (the attempt rows are locked);
-    returns the attempts whose counter moved."""
-    moved: dict[int, Attempt] = {}
+) -> list[Rollout]:
+    """AGL's per-rollout counter, shared by the rollout's attempts (the rollout rows are
+    locked): an explicit `sequence_id` raises it past that id, then spans without one get the
+    next ids. Returns the rollouts whose counter moved."""
+    rollouts = {a.rollout_id: a.rollout for a in attempts.values()}
+    moved: dict[str, Rollout] = {}
+    for span in spans:
+        seq = span.get("sequence_id")
+        rollout = rollouts[span["rollout_id"]]
+        if seq is not None and seq >= rollout.next_span_sequence_id:
+            rollout.next_span_sequence_id = seq + 1
+            moved[rollout.pk] = rollout
     for span in spans:
         if span.get("sequence_id") is None:
-            attempt = attempts[(span["rollout_id"], span["attempt_id"])]
-            span["sequence_id"] = attempt.next_span_sequence_id
-            attempt.next_span_sequence_id += 1
-            moved[attempt.pk] = attempt
+            rollout = rollouts[span["rollout_id"]]
+            span["sequence_id"] = rollout.next_span_sequence_id
+            rollout.next_span_sequence_id += 1
+            moved[rollout.pk] = rollout
     return list(moved.values())
 
 
 def _heartbeats_due(attempts: list[Attempt], now: datetime) -> list[Attempt]:
-    """AGL: a span is its attempt's heartbeat. preparing/unresponsive -> running; never
-    revives an attempt that ended (succeeded, failed, timeout). A running attempt is
-    rewritten at most once per HEARTBEAT_MIN_INTERVAL."""
+    """AGL: a span is its attempt's heartbeat. preparing/unresponsive -> running; an attempt
+    that ended (succeeded, failed, timeout) records the time but keeps its status. An
+    attempt is rewritten at most once per HEARTBEAT_MIN_INTERVAL unless it is revived."""
     due = []
     for attempt in attempts:
-        if attempt.status not in _REVIVABLE:
-            continue
         last = attempt.last_heartbeat_time
-        if attempt.status == AttemptStatus.RUNNING and last and now - last < HEARTBEAT_MIN_INTERVAL:
+        revive = attempt.status in _REVIVABLE and attempt.status != AttemptStatus.RUNNING
+        if not revive and last and now - last < HEARTBEAT_MIN_INTERVAL:
             continue
         due.append(attempt)
     return due
@@ -197,16 +220,14 @@ def _deadline(attempt: Attempt, now: datetime) -> datetime | None:
 def span_next_sequence_id(
     *, project: Project, rollout_id: str, attempt_id: str, count: int = 1
 ) -> int:
-    """Reserve `count` span sequence ids for an attempt; returns the first."""
+    """Reserve `count` span sequence ids of a rollout (its counter is shared by all its
+    attempts, so any attempt id of a known rollout will do, as in AGL); returns the first."""
     if count < 1:
         raise InvalidInput("count", "must be >= 1")
     with transaction.atomic():
-        query = Attempt.objects.filter(attempt_filter(project, rollout_id, attempt_id))
-        pk = query.values_list("pk", flat=True).first()
-        if pk is None:
-            raise NotFound("attempt", f"{rollout_id}/{attempt_id}")
-        row = Attempt.objects.filter(pk=pk)
-        row.update(next_span_sequence_id=F("next_span_sequence_id") + count)
+        row = Rollout.objects.filter(project=project, pk=rollout_id)
+        if not row.update(next_span_sequence_id=F("next_span_sequence_id") + count):
+            raise NotFound("rollout", rollout_id)
         # The row stays locked by our update until commit, so this read is ours alone.
         after = row.values_list("next_span_sequence_id", flat=True)
         return after.get() - count

@@ -99,3 +99,9 @@ def test_agl_trainer_with_four_runners_succeeds_and_its_spans_arrive_over_otlp(
     page = browser.get("/admin/store/rollout/")
     assert page.status_code == 200 and rollouts[0]["rollout_id"] in page.content.decode()
 
+
+
+def test_agl_client_sees_agls_store_semantics(api_server, keys: Keys, agl_python):
+    out = run_agl(agl_python, "store_semantics.py", url_with_key(api_server, keys.algorithm))
+    seen = json.loads(out.strip().splitlines()[-1])
+    assert seen["sequence_ids"] == [1, 2, 3, 4, 101]

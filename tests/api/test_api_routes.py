@@ -92,8 +92,9 @@ def test_get_and_update_rollout(algo, runner):
     assert updated["metadata"] == {"tag": 1} and updated["mode"] == "val"
     cancelled = algo.post(f"/rollouts/{rid}", json={"status": "cancelled"}).json()
     assert cancelled["status"] == "cancelled" and cancelled["end_time"] is not None
-    again = algo.post(f"/rollouts/{rid}", json={"status": "running"})
-    assert again.status_code == 409
+    # The algorithm's explicit command reopens it, as AGL allows.
+    again = algo.post(f"/rollouts/{rid}", json={"status": "requeuing"})
+    assert again.status_code == 200 and again.json()["end_time"] is None
 
 
 def test_attempt_routes(algo, runner):
