@@ -75,7 +75,13 @@ def database_from_url(url: str) -> dict:
             port = parts.port
         except ValueError:
             raise ImproperlyConfigured(f"DATABASE_URL {url!r} has a bad port") from None
-        conn_max_age = int(options.pop("conn_max_age", "60"))
+        raw_age = options.pop("conn_max_age", "60")
+        if not raw_age.isdigit():
+            raise ImproperlyConfigured(
+                f"DATABASE_URL option conn_max_age must be a whole number of seconds, "
+                f"not {raw_age!r}"
+            )
+        conn_max_age = int(raw_age)
         health_checks = options.pop("conn_health_checks", "true").lower()
         if health_checks not in {"true", "false"}:
             raise ImproperlyConfigured(

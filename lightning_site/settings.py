@@ -170,7 +170,8 @@ _broker_url = env_str("CELERY_BROKER_URL")
 # (lightning_site.embedded) over Celery's in-memory transport.
 EMBEDDED_WORKERS = EMBEDDED and not _broker_url
 CELERY_BROKER_URL = _broker_url or (
-    "memory://" if EMBEDDED_WORKERS else "amqp://guest:guest@127.0.0.1:5672//"
+    # A host name, or kombu warns "No hostname was supplied" at every connection.
+    "memory://localhost/" if EMBEDDED_WORKERS else "amqp://guest:guest@127.0.0.1:5672//"
 )
 # State lives in the database; the result backend is not a database, so results are dropped.
 CELERY_TASK_IGNORE_RESULT = True

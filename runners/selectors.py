@@ -77,3 +77,9 @@ def rollouts_by_status(*, project: Project, rollout_ids: Sequence[str] | None = 
 
 def finished_count(by_status: dict[str, int]) -> int:
     return sum(n for status, n in by_status.items() if status in ROLLOUT_TERMINAL)
+
+
+def open_rollout_ids(*, project: Project) -> list[str]:
+    """The project's rollouts not finished yet (served by the project-status index)."""
+    return list(Rollout.objects.filter(project=project).exclude(status__in=ROLLOUT_TERMINAL)
+                .values_list("pk", flat=True))

@@ -40,8 +40,9 @@ def follow(job_id: int, *, poll: float = 0.5, file: TextIO | None = None,
     """Show progress until the job is terminal; returns the last snapshot."""
     snap = snapshot(job_id)
     started, first_finished = time.monotonic(), snap.rollouts_finished
-    with tqdm(total=snap.job.total_steps + 1, unit="step", desc=f"job {job_id}",
-              file=file, disable=disable, dynamic_ncols=True) as bar:
+    # `initial`: a resumed job starts with steps done, and tqdm's rate counts from there.
+    with tqdm(total=snap.job.total_steps + 1, initial=snap.steps_done, unit="step",
+              desc=f"job {job_id}", file=file, disable=disable, dynamic_ncols=True) as bar:
         while True:
             bar.n = snap.steps_done
             elapsed = max(time.monotonic() - started, 1e-6)

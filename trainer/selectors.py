@@ -8,13 +8,13 @@ from datetime import datetime
 from typing import Any
 from urllib.parse import urlencode
 
-from django.db.models import Count, F
+from django.db.models import Count, F, Q
 from django.urls import reverse
 
 from store.models import ResourceVersion, Rollout, Span
 from store.statemachine import ROLLOUT_TERMINAL
 from trainer.algorithms import FinishedRollout
-from trainer.models import TrainingJob, TrainingStep
+from trainer.models import StepStatus, TrainingJob, TrainingStep
 
 
 def step_rollouts(*, step: TrainingStep) -> Any:
@@ -115,3 +115,22 @@ def job_throughput(*, rows: list[StepRow]) -> dict[str, float | None]:
         "wait_seconds_per_step": waited / len(done) if done else None,
         "train_seconds_per_step": trained / len(done) if done else None,
     }
+
+
+@dataclass
+class JobRow:
+    job: TrainingJob
+    steps_done: int
+
+
+def job_list(*, project: str | None = None, status: str | None = None, limit: int = 20
+             ) -> list[JobRow]:
+    """Jobs newest first with their finished step count (one query)."""
+    jobs = TrainingJob.objects.select_related("project").annotate(
+        steps_done=Count("steps", filter=Q(steps__status=StepStatus.DONE))
+    ).order_by("-created_at", "-pk")
+    if project:
+        jobs = jobs.filter(project__name=project)
+    if status:
+        jobs = jobs.filter(status=status)
+    return [JobRow(job, job.steps_done) for job in jobs[:limit]]

@@ -11,6 +11,7 @@ from tqdm import tqdm
 from runners import selectors
 from store import services
 from store.models import Project
+from store.rewards import mean_reward
 
 
 def project_named(name: str, *, create: bool = False) -> Project:
@@ -21,6 +22,13 @@ def project_named(name: str, *, create: bool = False) -> Project:
     if project is None:
         raise CommandError(f"project {name!r} not found (create it with project_create)")
     return project
+
+
+def reward_line(rollout_ids: Sequence[str]) -> str:
+    mean, n = mean_reward(rollout_ids=rollout_ids)
+    if mean is None:
+        return f"mean reward: - (none of the {len(rollout_ids)} rollouts recorded a reward)"
+    return f"mean reward: {mean:.3f} over {n} of {len(rollout_ids)} rollouts"
 
 
 def summary(project: Project, by_status: dict[str, int]) -> str:

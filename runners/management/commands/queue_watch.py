@@ -1,5 +1,6 @@
 from django.core.management.base import BaseCommand
 
+from lightning_site.console import progress_stream
 from runners import selectors
 from runners.management.commands._progress import follow, project_named, summary
 
@@ -26,5 +27,12 @@ class Command(BaseCommand):
             by_status = selectors.rollouts_by_status(project=project)
             self.stdout.write(summary(project, by_status))
             return
-        by_status = follow(project, None, interval=interval, timeout=timeout, out=self.stderr)
+        # Current work only: the rollouts open now, not the project's whole history.
+        open_ids = selectors.open_rollout_ids(project=project)
+        if not open_ids:
+            self.stdout.write(summary(project, selectors.rollouts_by_status(project=project)))
+            return
+        self.stdout.write(f"following the {len(open_ids)} rollouts open now")
+        by_status = follow(project, open_ids, interval=interval, timeout=timeout,
+                           out=progress_stream(self.stdout))
         self.stdout.write(summary(project, by_status))

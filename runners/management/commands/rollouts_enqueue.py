@@ -4,9 +4,10 @@ from contextlib import nullcontext
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
+from lightning_site.console import progress_stream, quiet_libraries
 from lightning_site.embedded import embedded_workers
 from runners import services
-from runners.management.commands._progress import follow, project_named
+from runners.management.commands._progress import follow, project_named, reward_line
 from store.errors import StoreError
 from store.services import RolloutSpec
 
@@ -33,6 +34,7 @@ class Command(BaseCommand):
         parser.add_argument("--create-project", action="store_true")
 
     def handle(self, *args, **opts):
+        quiet_libraries(opts["verbosity"])
         project = project_named(opts["project"], create=opts["create_project"])
         specs = [
             RolloutSpec(input=value, mode=opts["mode"], config={
@@ -52,8 +54,10 @@ class Command(BaseCommand):
             self.stdout.write(f"enqueued {len(rollouts)} rollouts for {opts['agent']}")
             if embedded or opts["wait"]:
                 by_status = follow(project, [r.pk for r in rollouts], interval=0.5,
-                                   timeout=opts["wait_timeout"], out=self.stderr)
-                self.stdout.write(json.dumps(by_status, sort_keys=True))
+                                   timeout=opts["wait_timeout"],
+                                   out=progress_stream(self.stdout))
+                self.stdout.write(reward_line([r.pk for r in rollouts]))
+                self.stdout.write(json.dumps(by_status, sort_keys=True))  # last: for scripts
 
     def _inputs(self, opts) -> list:
         if opts["inputs_file"]:

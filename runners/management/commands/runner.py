@@ -10,6 +10,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from lightning_site.console import quiet_libraries
 from runners.client import ApiError, StoreClient
 from runners.remote_runner import RemoteRunner, RunnerOptions, default_server
 
@@ -37,6 +38,7 @@ class Command(BaseCommand):
                             help="stop after this many rollouts (default: run until SIGTERM)")
 
     def handle(self, *args: Any, **opts: Any) -> None:
+        quiet_libraries(opts["verbosity"])
         key = opts["key"] or _env_key()
         if not opts["server"]:
             raise CommandError("--server is required (or set AGL_SERVER_HOST)")

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import importlib
 import json
-import logging
 import time
-from typing import Any
+from typing import Any, TextIO
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from django.utils.module_loading import import_string
 
+from lightning_site.console import progress_stream, quiet_libraries
 from lightning_site.embedded import embedded_workers
 from store import services as store_services
 from store.errors import InvalidInput
@@ -41,19 +41,17 @@ def project_named(name: str) -> Project:
     return Project.objects.filter(name=name).first() or store_services.project_create(name=name)
 
 
-def run_followed(job_id: int, *, start: bool, reclaim: bool = False, quiet: bool = False
-                 ) -> progress.Snapshot:
+def run_followed(job_id: int, *, start: bool, reclaim: bool = False, quiet: bool = False,
+                 out: TextIO | None = None) -> progress.Snapshot:
     """Start (or resume) and follow; with in-process workers on the embedded default."""
     def go() -> progress.Snapshot:
         if start:
             services.job_start(job_id=job_id)
         else:
             services.job_resume(job_id=job_id, reclaim=reclaim)
-        return progress.follow(job_id, disable=quiet)
+        return progress.follow(job_id, disable=quiet, file=out)
 
     if settings.EMBEDDED_WORKERS:
-        # The in-process workers log every task at INFO; the progress bar says it better.
-        logging.getLogger("celery").setLevel(logging.WARNING)
         with embedded_workers():
             return go()
     return go()
@@ -62,6 +60,8 @@ def run_followed(job_id: int, *, start: bool, reclaim: bool = False, quiet: bool
 def summary(snap: progress.Snapshot, seconds: float, threshold: float | None) -> str:
     job = snap.job
     lines = [f"job {job.pk}: {job.status} after {seconds:.1f}s, {snap.steps_done} steps done"]
+    if snap.train_reward is not None:
+        lines.append(f"mean train reward of the last step: {snap.train_reward:.3f}")
     first = job.steps.filter(n=0).values_list("metrics", flat=True).first() or {}
     if "val_reward" in first and snap.val_reward is not None:
         lines.append(f"validation reward {first['val_reward']:.3f} (untrained) -> "
@@ -92,6 +92,7 @@ class Command(BaseCommand):
         parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
     def handle(self, *args, **opts) -> None:
+        quiet_libraries(opts["verbosity"])
         spec_fn = load_spec(opts["target"])
         spec = spec_fn(seed=opts["seed"], **({"steps": opts["steps"]} if opts["steps"] else {}))
         config = dict(spec["config"])
@@ -117,7 +118,8 @@ class Command(BaseCommand):
             self.stdout.write(f"submitted; follow it with `manage.py train_show {job.pk} --follow`")
             return
         started = time.monotonic()
-        snap = run_followed(job.pk, start=True, quiet=opts["quiet"])
+        snap = run_followed(job.pk, start=True, quiet=opts["quiet"],
+                            out=progress_stream(self.stdout))
         self.stdout.write(summary(snap, time.monotonic() - started, config.get("threshold")))
         if snap.job.status != "succeeded":
             raise CommandError(f"job {job.pk} {snap.job.status}")

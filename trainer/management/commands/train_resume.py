@@ -8,6 +8,7 @@ import time
 from django.conf import settings
 from django.core.management.base import BaseCommand
 
+from lightning_site.console import progress_stream, quiet_libraries
 from trainer import services
 from trainer.management.commands.train import job_or_error, run_followed, summary
 
@@ -25,6 +26,7 @@ class Command(BaseCommand):
         parser.add_argument("--quiet", action="store_true")
 
     def handle(self, *args, **opts) -> None:
+        quiet_libraries(opts["verbosity"])
         job = job_or_error(opts["job"])
         reclaim = opts["reclaim"] or settings.EMBEDDED_WORKERS
         if opts["no_follow"] and not settings.EMBEDDED_WORKERS:
@@ -32,6 +34,7 @@ class Command(BaseCommand):
             self.stdout.write(f"job {job.pk}: {job.status}")
             return
         started = time.monotonic()
-        snap = run_followed(job.pk, start=False, reclaim=reclaim, quiet=opts["quiet"])
+        snap = run_followed(job.pk, start=False, reclaim=reclaim, quiet=opts["quiet"],
+                            out=progress_stream(self.stdout))
         self.stdout.write(summary(snap, time.monotonic() - started,
                                   snap.job.config.get("threshold")))

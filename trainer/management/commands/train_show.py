@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from django.core.management.base import BaseCommand
 
+from lightning_site.console import progress_stream
 from trainer import progress
 from trainer.management.commands.train import job_or_error
 
@@ -18,7 +19,7 @@ class Command(BaseCommand):
     def handle(self, *args, **opts) -> None:
         job = job_or_error(opts["job"])
         if opts["follow"]:
-            progress.follow(job.pk)
+            progress.follow(job.pk, file=progress_stream(self.stdout))
             job.refresh_from_db()
         self.stdout.write(f"job {job.pk} {job.name} [{job.status}] agent={job.agent} "
                           f"algorithm={job.algorithm} steps={job.total_steps} "

@@ -1,0 +1,111 @@
+"""Commands' output: quiet (no library warnings or log lines), progress and summaries on
+stdout with the mean reward, `train_list`, and a bad setting named without a traceback."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from io import StringIO
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management import call_command
+
+from examples.cipher import job_spec
+from lightning_site.console import quiet_libraries
+from lightning_site.env import database_from_url
+from runners.management.commands._progress import reward_line
+from store import services as store_services
+from store.models import Attempt
+from store.rewards import REWARD_ANNOTATION_SPAN, REWARD_LEGACY_SPAN
+from tests.api.conftest import ROOT
+from tests.conftest import claim, enqueue
+from tests.test_span_services import span
+from trainer import services
+from trainer.models import JobStatus, TrainingJob
+
+AGENT = "tests.celery_agents:ok_agent"
+
+
+def _embedded(data_dir, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("DATABASE_URL", "CELERY_BROKER_URL", "DJANGO_SETTINGS_MODULE")}
+    return subprocess.run([str(ROOT / "lightning"), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**env, "LIGHTNING_DATA_DIR": str(data_dir)})
+
+
+@pytest.mark.slow
+def test_an_embedded_batch_prints_progress_and_mean_reward_on_stdout_and_nothing_else(tmp_path):
+    result = _embedded(tmp_path, "rollouts_enqueue", "quiet", "--create-project",
+                       "--agent", AGENT, "--input", '{"i": 0.5}', "--count", "6")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""  # no numpy, kombu or Celery lines
+    assert "enqueued 6 rollouts" in result.stdout and "6/6" in result.stdout  # the bar
+    assert "mean reward: 0.500 over 6 of 6 rollouts" in result.stdout
+
+
+def test_a_bad_database_url_option_is_named_without_a_traceback(tmp_path):
+    with pytest.raises(ImproperlyConfigured, match="DATABASE_URL option conn_max_age"):
+        database_from_url("postgres://u@h/db?conn_max_age=soon")
+    env = {**os.environ, "DATABASE_URL": "postgres://u@127.0.0.1/db?conn_max_age=soon",
+           "DJANGO_SECRET_KEY": "x"}
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    result = subprocess.run([sys.executable, "manage.py", "check"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.strip() == ("error: DATABASE_URL option conn_max_age must be a whole "
+                                     "number of seconds, not 'soon'")
+
+
+def test_libraries_log_warnings_only_unless_asked_for_detail():
+    quiet_libraries(1)
+    assert logging.getLogger("celery").getEffectiveLevel() == logging.WARNING
+    assert logging.getLogger("httpx").getEffectiveLevel() == logging.WARNING
+    quiet_libraries(2)
+    assert logging.getLogger("celery.worker").getEffectiveLevel() == logging.INFO
+    quiet_libraries(1)
+
+
+@pytest.mark.django_db
+def test_the_mean_reward_reads_the_last_reward_span_of_the_latest_attempt(project):
+    rewarded, legacy, silent = enqueue(project, 3)
+    for rollout, name, attributes in (
+            (rewarded, REWARD_ANNOTATION_SPAN, {"agentlightning.reward.0.value": 0.25}),
+            (legacy, REWARD_LEGACY_SPAN, {"reward": 0.75})):
+        claimed, attempt = claim(project)
+        assert claimed.pk == rollout.pk
+        first = {k: v * 10 for k, v in attributes.items()}  # overwritten by the last one
+        for n, value in ((1, first), (2, attributes)):
+            store_services.span_add(project=project, span=span(rollout, attempt, n,
+                                                               name=name, attributes=value))
+    assert reward_line([rewarded.pk, legacy.pk, silent.pk]) == \
+        "mean reward: 0.500 over 2 of 3 rollouts"
+    assert reward_line([silent.pk]) == "mean reward: - (none of the 1 rollouts recorded a reward)"
+    assert Attempt.objects.count() == 2
+
+
+@pytest.mark.django_db
+def test_train_list_shows_jobs_newest_first_with_status_steps_and_best_reward():
+    assert _train_list() == "no training jobs\n"
+    project = store_services.project_create(name="listed")
+    spec = job_spec(seed=0, steps=3)
+    jobs = [services.job_create(project=project, agent=spec["agent"], algorithm="grpo",
+                                config=spec["config"], train_dataset=spec["train_dataset"],
+                                name=f"cipher{i}") for i in range(2)]
+    TrainingJob.objects.filter(pk=jobs[0].pk).update(
+        status=JobStatus.SUCCEEDED, best_metric=0.8125, best_version=3)
+    lines = _train_list().splitlines()
+    assert lines[0].split()[:5] == ["job", "status", "steps", "best", "checkpoint"]
+    assert lines[1].split()[:2] == [str(jobs[1].pk), "pending"]
+    assert lines[2].split()[:5] == [str(jobs[0].pk), "succeeded", "0/4", "0.812", "v3"]
+    assert lines[2].endswith("listed/cipher0")
+    assert _train_list("--status", "succeeded").count("\n") == 2
+    assert _train_list("--project", "nope") == "no training jobs\n"
+
+
+def _train_list(*args: str) -> str:
+    out = StringIO()
+    call_command("train_list", *args, stdout=out)
+    return out.getvalue()
