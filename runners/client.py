@@ -168,6 +168,14 @@ class StoreClient:
                                 json=fields)
         return response.json(), rollout_id in _cancelled(response)
 
+    def finish_attempt(self, rollout_id: str, attempt_id: str, *, status: str,
+                       error: str | None = None) -> dict[str, Any]:
+        """Extension: the runner's final verdict, its error merged into the attempt's metadata
+        by the server; repeating it with the same status is harmless (so it is retried)."""
+        response = self.request("POST", f"/rollouts/{rollout_id}/attempts/{attempt_id}/finish",
+                                json={"status": status, "error": error})
+        return response.json()
+
     def update_attempts(self, updates: Sequence[dict[str, Any]]) -> set[str]:
         """Many attempt reports in one request (each a dict with rollout_id, attempt_id and
         AGL's update_attempt fields); returns the ids of cancelled rollouts among them."""

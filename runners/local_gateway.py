@@ -58,16 +58,10 @@ class LocalGateway:
     def finish(
         self, *, rollout_id: str, attempt_id: str, status: str, error: str | None = None
     ) -> None:
-        changes = {}
-        if error is not None:
-            attempt = selectors.attempt_get(
-                project=self.project, rollout_id=rollout_id, attempt_id=attempt_id
-            )
-            changes["metadata"] = {**(attempt.metadata or {}), "error": error}
         try:
-            services.attempt_update(
+            services.attempt_finish(
                 project=self.project, rollout_id=rollout_id, attempt_id=attempt_id,
-                status=status, **changes,
+                status=status, error=error,
             )
         except IllegalTransition as exc:  # someone already gave the final verdict
             log.warning("late report for %s/%s ignored: %s", rollout_id, attempt_id, exc)

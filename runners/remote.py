@@ -65,12 +65,8 @@ class HttpGateway:
     def finish(
         self, *, rollout_id: str, attempt_id: str, status: str, error: str | None = None
     ) -> None:
-        fields: dict[str, Any] = {"status": status}
-        if error is not None:
-            attempt = self.client.get_attempt(rollout_id, attempt_id)
-            fields["metadata"] = {**(attempt.get("metadata") or {}), "error": error}
         try:
-            self.client.update_attempt(rollout_id, attempt_id, **fields)
+            self.client.finish_attempt(rollout_id, attempt_id, status=status, error=error)
         except ApiError as exc:
             if exc.status != CONFLICT:
                 raise

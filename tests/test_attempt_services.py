@@ -155,3 +155,57 @@ def test_spec_with_start_rollout_syncs_worker_busy(project):
                                               worker_id="wx")
     worker = Worker.objects.get(worker_id="wx")
     assert worker.status == "busy" and worker.current_attempt_id == attempt.attempt_id
+
+
+def test_finish_merges_the_error_into_the_metadata_it_finds_under_the_lock(project):
+    enqueue(project, 1)
+    rollout, attempt = claim(project)
+    services.attempt_update(project=project, rollout_id=rollout.pk,
+                            attempt_id=attempt.attempt_id, metadata={"m": 1})
+    finished = services.attempt_finish(project=project, rollout_id=rollout.pk,
+                                       attempt_id=attempt.attempt_id, status="failed",
+                                       error="boom")
+    finished.refresh_from_db()
+    assert finished.status == "failed" and finished.metadata == {"m": 1, "error": "boom"}
+
+
+def test_finish_is_idempotent_per_final_status(project):
+    enqueue(project, 1)
+    rollout, attempt = claim(project)
+    first = services.attempt_finish(project=project, rollout_id=rollout.pk,
+                                    attempt_id=attempt.attempt_id, status="failed", error="a")
+    again = services.attempt_finish(project=project, rollout_id=rollout.pk,
+                                    attempt_id=attempt.attempt_id, status="failed", error="b")
+    assert again.metadata == {"error": "a"} and again.end_time == first.end_time
+    with pytest.raises(IllegalTransition):
+        services.attempt_finish(project=project, rollout_id=rollout.pk,
+                                attempt_id=attempt.attempt_id, status="succeeded")
+    with pytest.raises(InvalidInput):
+        services.attempt_finish(project=project, rollout_id=rollout.pk,
+                                attempt_id=attempt.attempt_id, status="running")
+
+
+def test_a_late_failure_keeps_the_watchdogs_verdict(project):
+    """Finding 3: the gateways read the metadata, then wrote {**old, "error": ...} with the
+    status: the verdict the status change recorded was overwritten."""
+    from store import watchdog
+    from tests.conftest import backdate
+
+    enqueue(project, 1, config={"unresponsive_seconds": 10})
+    rollout, attempt = claim(project)
+    backdate(attempt, 11)
+    assert watchdog.sweep().unresponsive
+    late = services.attempt_finish(project=project, rollout_id=rollout.pk,
+                                   attempt_id=attempt.attempt_id, status="failed", error="late")
+    late.refresh_from_db()
+    assert late.metadata == {"store.watchdog_verdict": "unresponsive", "error": "late"}
+    # A status report that replaces the metadata keeps the verdict too.
+    enqueue(project, 1, config={"unresponsive_seconds": 10})
+    rollout, attempt = claim(project)
+    backdate(attempt, 11)
+    watchdog.sweep()
+    late = services.attempt_update(project=project, rollout_id=rollout.pk,
+                                   attempt_id=attempt.attempt_id, status="failed",
+                                   metadata={"error": "late"})
+    late.refresh_from_db()
+    assert late.metadata == {"error": "late", "store.watchdog_verdict": "unresponsive"}

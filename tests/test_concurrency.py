@@ -1,10 +1,13 @@
 """Races on real Postgres connections (one per thread)."""
 
+import contextlib
 import threading
+import time
 from collections import Counter
 
 import pytest
-from django.db import connection
+from django.db import connection, connections
+from django.utils import timezone
 
 from store import services, watchdog
 from store.models import Attempt, Rollout
@@ -112,3 +115,91 @@ def test_runner_reports_racing_the_sweep_lose_no_update():
             assert verdict == "succeeded"
         else:
             assert rollout.status == "failed"
+
+
+def _waiting_on_locks() -> int:
+    with connections["default"].cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                       "AND wait_event_type = 'Lock'")
+        return cursor.fetchone()[0]
+
+
+def _until(condition, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def _holding(sql, *params):
+    """A row lock held by another connection until the block ends (committed even when
+    the block fails, so the test database can be emptied)."""
+    holder = connections.create_connection("default")
+    try:
+        holder.set_autocommit(False)
+        with holder.cursor() as cursor:
+            cursor.execute(sql, params)
+        yield
+    finally:
+        holder.commit()
+        holder.close()
+
+
+def _started(target):
+    errors = []
+
+    def wrapped():
+        try:
+            target()
+        except Exception as exc:  # surfaced by the test
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=wrapped)
+    thread.start()
+    return thread, errors
+
+
+def test_a_report_on_a_two_attempt_rollout_and_the_sweep_do_not_deadlock():
+    """Finding 1: the report locked attempt 1, the rollout, attempt 2; the sweep holds
+    attempt 2 and waits for the rollout. Here a third connection holds the rollout so that
+    both wait on it, which makes the old order deadlock every time."""
+    project = services.project_create(name="order")
+    rollout = services.rollout_enqueue(project=project, spec=RolloutSpec(
+        input=1, config={"unresponsive_seconds": 10, "max_attempts": 2,
+                         "retry_condition": ["failed"]}))
+    _, first = services.rollout_dequeue(project=project, worker_id="w1")
+    services.attempt_update(project=project, rollout_id=rollout.pk,
+                            attempt_id=first.attempt_id, status="failed")
+    _, second = services.rollout_dequeue(project=project, worker_id="w2")
+    backdate(second, 11)
+    with _holding("SELECT 1 FROM store_rollout WHERE id = %s FOR UPDATE", rollout.pk):
+        report, report_errors = _started(lambda: services.attempt_update(
+            project=project, rollout_id=rollout.pk, attempt_id=second.attempt_id,
+            status="running", last_heartbeat_time=timezone.now()))
+        _until(lambda: _waiting_on_locks() == 1)
+        sweeper, sweep_errors = _started(watchdog.sweep)
+        _until(lambda: _waiting_on_locks() == 2 or not sweeper.is_alive())
+    report.join(30)
+    sweeper.join(30)
+    assert not report_errors and not sweep_errors
+    second.refresh_from_db()
+    assert second.status == "running" and second.deadline > timezone.now()
+
+
+def test_a_named_claim_waits_for_a_briefly_locked_rollout():
+    """Finding 4: SKIP LOCKED made a rollout task drop its message when an algorithm's update
+    held the row; the rollout then waited for the reconciler's re-send."""
+    project = services.project_create(name="named")
+    rollout = services.rollout_enqueue(project=project, spec=RolloutSpec(input=1))
+    claims = []
+    with _holding("UPDATE store_rollout SET metadata = '{}' WHERE id = %s", rollout.pk):
+        claimer, errors = _started(lambda: claims.append(
+            services.rollout_claim(project=project, rollout_id=rollout.pk, worker_id="w")))
+        _until(lambda: _waiting_on_locks() == 1 or not claimer.is_alive())
+    claimer.join(30)
+    assert not errors and claims[0] is not None and claims[0][0].pk == rollout.pk
+    # A duplicate message finds it claimed, without waiting.
+    assert services.rollout_claim(project=project, rollout_id=rollout.pk, worker_id="w") is None

@@ -61,6 +61,8 @@ def test_span_revives_unresponsive_attempt(project):
     rollout.refresh_from_db()
     assert attempt.status == "running" and rollout.status == "running"
     assert attempt.deadline > timezone.now() + timedelta(seconds=9)
+    # Finding 3: a late report that arrives as spans first kept no trace of the verdict.
+    assert attempt.metadata["store.watchdog_verdict"] == "unresponsive"
 
 
 @pytest.mark.parametrize("ended", ["timeout", "failed", "succeeded"])

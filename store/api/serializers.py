@@ -14,10 +14,17 @@ from rest_framework import exceptions, serializers
 
 from store.api import limits
 from store.models import Attempt, ResourceVersion, Rollout, Span, Worker
-from store.statemachine import AttemptStatus, RolloutMode, RolloutStatus, WorkerStatus
+from store.statemachine import (
+    ATTEMPT_FINAL,
+    AttemptStatus,
+    RolloutMode,
+    RolloutStatus,
+    WorkerStatus,
+)
 
 ID_MAX = 40
 WORKER_ID_MAX = 200
+ERROR_MAX = 20_000  # the executor sends at most 8000 characters of traceback
 
 
 def epoch(value: datetime | None) -> float | None:
@@ -179,6 +186,12 @@ class UpdateAttemptIn(serializers.Serializer):
     )
     last_heartbeat_time = EpochField(required=False, allow_null=True)
     metadata = ObjectField(required=False, allow_null=True)
+
+
+class FinishAttemptIn(serializers.Serializer):
+    status = serializers.ChoiceField(choices=sorted(ATTEMPT_FINAL))
+    error = serializers.CharField(required=False, allow_null=True, trim_whitespace=False,
+                                  max_length=ERROR_MAX)
 
 
 class AttemptUpdateItemIn(UpdateAttemptIn):

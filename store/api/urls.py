@@ -55,6 +55,8 @@ agl = [
     path("rollouts/<str:rollout_id>/attempts", AttemptsEndpoint.as_view()),
     path("rollouts/<str:rollout_id>/attempts/search", v.SearchAttemptsView.as_view()),
     path("rollouts/<str:rollout_id>/attempts/<str:attempt_id>", AttemptEndpoint.as_view()),
+    path("rollouts/<str:rollout_id>/attempts/<str:attempt_id>/finish",
+         v.FinishAttemptView.as_view()),
     path("attempts/batch", v.UpdateAttemptsBatchView.as_view()),
     path("workers", v.QueryWorkersView.as_view()),
     path("workers/search", v.SearchWorkersView.as_view()),

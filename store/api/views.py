@@ -250,6 +250,20 @@ class UpdateAttemptView(StoreView):
         return respond(s.AttemptOut, attempt, cancelled=cancelled)
 
 
+class FinishAttemptView(StoreView):
+    """Extension: a runner's final verdict, with its error merged into the attempt's metadata
+    under the row lock (the watchdog's verdict is kept). Idempotent per final status."""
+
+    @extend_schema(request=s.FinishAttemptIn, responses={200: s.AttemptOut},
+                   operation_id="finish_attempt")
+    def post(self, request: Request, rollout_id: str, attempt_id: str) -> Response:
+        data = self.body(s.FinishAttemptIn)
+        attempt = services.attempt_finish(
+            project=self.project, rollout_id=rollout_id, attempt_id=attempt_id, **data
+        )
+        return respond(s.AttemptOut, attempt)
+
+
 def _cancelled(attempts: list) -> set[str]:
     """Cancelled rollouts among the attempts' (as the update's transaction read them)."""
     return {a.rollout_id for a in attempts if a.rollout.status == RolloutStatus.CANCELLED}

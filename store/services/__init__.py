@@ -1,6 +1,11 @@
 """Every write to the store. Keyword-only, typed, one short transaction each."""
 
-from store.services.attempts import AttemptUpdate, attempt_update, attempt_update_many
+from store.services.attempts import (
+    AttemptUpdate,
+    attempt_finish,
+    attempt_update,
+    attempt_update_many,
+)
 from store.services.dispatch import Dispatch, rollout_dispatch_due, rollout_dispatch_set
 from store.services.projects import (
     api_key_authenticate,
@@ -40,6 +45,7 @@ __all__ = [
     "RolloutSpec",
     "api_key_authenticate",
     "api_key_create",
+    "attempt_finish",
     "attempt_start",
     "attempt_update",
     "attempt_update_many",

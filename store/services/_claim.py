@@ -1,7 +1,8 @@
 """Claiming queued rollouts: each claim creates the rollout's next attempt in the same
-transaction. On Postgres it is one statement (select with SKIP LOCKED, insert the attempts,
-update the rollouts); elsewhere (the embedded SQLite default, whose writers are serialized by
-BEGIN IMMEDIATE) the same steps run through the ORM."""
+transaction. On Postgres it is one statement (select with SKIP LOCKED, or a bounded wait
+for the row of a named claim; insert the attempts; update the rollouts); elsewhere (the
+embedded SQLite default, whose writers are serialized by BEGIN IMMEDIATE) the same steps
+run through the ORM."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ from store.services._bulk import bulk_set
 from store.services._common import attempt_deadline, worker_mark_dequeued
 from store.services._rows import row_instance
 from store.statemachine import QUEUED, AttemptStatus, RolloutConfig, RolloutStatus
+
+# How long a named claim waits for its rollout's row lock (see _claim_sql).
+NAMED_CLAIM_LOCK_WAIT_MS = 5000
 
 
 def claim_queued(
@@ -120,8 +124,16 @@ def _claim_sql(project, worker_id, limit, now, rollout_id, idle_if_none
     params = {**defaults, "project": project.pk, "now": now, "worker": worker_id,
               "limit": limit, "rid": rollout_id, "idle_if_none": idle_if_none}
     with connection.cursor() as cursor:
+        if rollout_id:
+            # A named claim waits for a row another writer holds briefly (an algorithm's
+            # update, a duplicate message's claim) instead of skipping it: a skipped rollout
+            # lost its message. Bounded, so a stuck writer costs an error (the task retries),
+            # not a hung worker.
+            cursor.execute(f"SET LOCAL lock_timeout = '{NAMED_CLAIM_LOCK_WAIT_MS}ms'")
         cursor.execute(sql, params)
         rows = cursor.fetchall()
+        if rollout_id:
+            cursor.execute("SET LOCAL lock_timeout TO DEFAULT")
     width = len(Rollout._meta.concrete_fields)
     claimed = []
     for row in rows:
@@ -173,7 +185,7 @@ def _claim_statement(only_named: bool, with_worker: bool) -> tuple[str, dict]:
             WHERE project_id = %(project)s AND status IN ('queuing', 'requeuing')
               AND (queue_deadline IS NULL OR queue_deadline > %(now)s) {only}
             ORDER BY priority DESC, enqueue_time LIMIT %(limit)s
-            FOR UPDATE SKIP LOCKED
+            FOR UPDATE {"" if only_named else "SKIP LOCKED"}
         ), ins AS (
             INSERT INTO store_attempt ({", ".join(columns)})
             SELECT {", ".join(values)} FROM picked p

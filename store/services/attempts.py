@@ -23,6 +23,7 @@ from store.services._common import (
 )
 from store.services._rows import attempts_locked
 from store.statemachine import (
+    ATTEMPT_FINAL,
     ATTEMPT_LIVE,
     QUEUED,
     ROLLOUT_TERMINAL,
@@ -44,6 +45,7 @@ class AttemptUpdate:
     worker_id: Any = _UNSET
     last_heartbeat_time: datetime | None = None
     metadata: Any = _UNSET
+    error: str | None = None  # attempt_finish: merged into the metadata under the lock
 
 
 def attempt_update(
@@ -57,6 +59,19 @@ def attempt_update(
     metadata: Any = _UNSET,
 ) -> Attempt:
     update = AttemptUpdate(rollout_id, attempt_id, status, worker_id, last_heartbeat_time, metadata)
+    return attempt_update_many(project=project, updates=[update])[0]
+
+
+def attempt_finish(
+    *, project: Project, rollout_id: str, attempt_id: str, status: str, error: str | None = None
+) -> Attempt:
+    """A runner's final verdict (succeeded or failed), with its error merged into the
+    attempt's metadata under the row lock, so that nothing another writer stored (the
+    watchdog's verdict) is lost. Idempotent: finishing again with the same status changes
+    nothing; another final status raises IllegalTransition."""
+    if status not in ATTEMPT_FINAL:
+        raise InvalidInput("status", f"must be one of {sorted(ATTEMPT_FINAL)}")
+    update = AttemptUpdate(rollout_id, attempt_id, status, error=error)
     return attempt_update_many(project=project, updates=[update])[0]
 
 
@@ -140,6 +155,7 @@ def _pick(
 
 
 def _apply(update: AttemptUpdate, attempt: Attempt, rollout: Rollout, now: datetime) -> None:
+    moved = False
     if update.status is not None:
         try:
             moved = check_attempt_transition(attempt.status, update.status)
@@ -147,12 +163,14 @@ def _apply(update: AttemptUpdate, attempt: Attempt, rollout: Rollout, now: datet
             raise IllegalTransition(
                 "attempt", attempt.attempt_id, attempt.status, update.status
             ) from None
-        if moved:
-            set_attempt_status(attempt, update.status, now)
     if update.worker_id is not _UNSET:
         attempt.worker_id = update.worker_id
     if update.metadata is not _UNSET:
         attempt.metadata = update.metadata or {}
+    if moved:  # after the metadata, so that a replaced metadata keeps the watchdog's verdict
+        set_attempt_status(attempt, update.status, now)
+        if update.error is not None:
+            attempt.metadata = {**(attempt.metadata or {}), "error": update.error}
     if update.last_heartbeat_time is not None:
         attempt.last_heartbeat_time = update.last_heartbeat_time
     if attempt.status in ATTEMPT_LIVE:

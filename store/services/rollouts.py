@@ -197,8 +197,9 @@ def rollout_claim(
     *, project: Project, rollout_id: str, worker_id: str | None = None
 ) -> tuple[Rollout, Attempt] | None:
     """Claim one named rollout if it is still queued (compare-and-swap); None when it is not
-    queued any more or another claimer holds it. A Celery rollout task uses this, so a
-    duplicated message finds the rollout claimed and does nothing."""
+    queued any more. A row another writer holds is waited for (briefly), not skipped. A Celery
+    rollout task uses this, so a duplicated message finds the rollout claimed and does
+    nothing."""
     now = timezone.now()
     with transaction.atomic():
         claimed = claim_queued(

@@ -15,7 +15,7 @@ from django.utils import timezone
 from store.errors import InvalidInput, NotFound
 from store.models import Attempt, Project, Rollout, Span
 from store.services._bulk import Write, insert_new
-from store.services._common import attempt_deadline
+from store.services._common import attempt_deadline, set_attempt_status
 from store.services._rows import attempts_locked
 from store.statemachine import AttemptStatus, RolloutConfig, RolloutStatus
 
@@ -71,11 +71,15 @@ def spans_ingest(
         for attempt in due:
             # An ended attempt records the heartbeat too, and keeps its status (as in AGL).
             attempt.last_heartbeat_time = now
+        lost = [a for a in revived if a.status == AttemptStatus.UNRESPONSIVE]
         for attempt in revived:
-            attempt.status = AttemptStatus.RUNNING
+            # Records the watchdog's verdict on a revived attempt (store.watchdog_verdict).
+            set_attempt_status(attempt, AttemptStatus.RUNNING, now)
             attempt.deadline = _deadline(attempt, now)
-        writes = [Write.set(sorted(due, key=lambda a: a.pk),
-                            ["status", "last_heartbeat_time", "deadline"]),
+        fields = ["status", "last_heartbeat_time", "deadline"]
+        writes = [Write.set(sorted((a for a in due if a not in lost), key=lambda a: a.pk),
+                            fields),
+                  Write.set(lost, [*fields, "metadata"]),
                   Write.set(sorted(counted, key=lambda r: r.pk), ["next_span_sequence_id"])]
         inserted = {id(row) for row in insert_new(rows, ["attempt", "span_id"], also=writes)}
         _rollouts_running([a for a in revived if a.rollout.latest_attempt_id == a.pk])

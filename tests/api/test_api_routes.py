@@ -263,3 +263,18 @@ def test_a_span_batch_over_many_attempts_heartbeats_each_of_them(algo, runner):
         got = algo.get(f"/rollouts/{rollout['rollout_id']}").json()
         assert got["status"] == "running" and got["attempt"]["status"] == "running"
         assert got["attempt"]["last_heartbeat_time"] is not None
+
+
+def test_finish_attempt_merges_the_error_and_is_idempotent(algo, runner):
+    rid = _enqueue(algo)[0]["rollout_id"]
+    aid = _dequeue(runner)[0]["attempt"]["attempt_id"]
+    path = f"/rollouts/{rid}/attempts/{aid}"
+    assert runner.post(path, json={"metadata": {"m": 1}}).status_code == 200
+    done = runner.post(path + "/finish", json={"status": "failed", "error": "boom"})
+    assert done.status_code == 200, done.text
+    assert done.json()["status"] == "failed"
+    assert done.json()["metadata"] == {"m": 1, "error": "boom"}
+    again = runner.post(path + "/finish", json={"status": "failed", "error": "boom"})
+    assert again.status_code == 200 and again.json()["metadata"] == {"m": 1, "error": "boom"}
+    assert runner.post(path + "/finish", json={"status": "succeeded"}).status_code == 409
+    assert runner.post(path + "/finish", json={"status": "running"}).status_code == 422
