@@ -251,3 +251,30 @@ CELERY_BEAT_SCHEDULE = {
         "options": {"queue": "control", "expires": LIGHTNING_RECONCILE_SECONDS},
     },
 }
+
+# --- The model gateway (trainer/llm; README "Training LLM agents") ---------------------------
+# Where `llm_serve` (and the embedded default's gateway thread) listens.
+LLM_GATEWAY_HOST = env_str("LLM_GATEWAY_HOST", "127.0.0.1")
+LLM_GATEWAY_PORT = env_int("LLM_GATEWAY_PORT", 4748, minimum=0)
+# The base URL agents are given in their `llm` resource (AGL's ProxyLLM endpoint); the runner
+# adds /rollout/{rollout_id}/attempt/{attempt_id} before /v1 for each attempt.
+LLM_GATEWAY_URL = env_str("LLM_GATEWAY_URL", f"http://{LLM_GATEWAY_HOST}:{LLM_GATEWAY_PORT}/v1")
+# Checkpoint versions kept loaded at once (older ones are dropped when their requests finish).
+LLM_GATEWAY_MAX_VERSIONS = env_int("LLM_GATEWAY_MAX_VERSIONS", 2, minimum=1)
+# Dynamic batching: requests arriving within this many milliseconds decode together, up to
+# LLM_GATEWAY_MAX_BATCH sequences.
+LLM_GATEWAY_BATCH_WINDOW_MS = env_float("LLM_GATEWAY_BATCH_WINDOW_MS", 5.0, minimum=0.0)
+LLM_GATEWAY_MAX_BATCH = env_int("LLM_GATEWAY_MAX_BATCH", 64, minimum=1)
+# How often the gateway looks for newly published versions of the models it serves.
+LLM_GATEWAY_POLL_SECONDS = env_float("LLM_GATEWAY_POLL_SECONDS", 1.0, minimum=0.05)
+# Upstream mode: forward to this OpenAI-compatible server (vLLM, SGLang) instead of a local
+# engine, recording the token ids it returns.
+LLM_GATEWAY_UPSTREAM_URL = env_str("LLM_GATEWAY_UPSTREAM_URL")
+LLM_GATEWAY_UPSTREAM_KEY = env_str("LLM_GATEWAY_UPSTREAM_KEY", "")
+# Models served without a job: "name=/path/to/checkpoint-dir,other=/path" (local directories
+# in Hugging Face format, or model ids already in the local Hugging Face cache).
+LLM_GATEWAY_MODELS = env_list("LLM_GATEWAY_MODELS", [])
+# Local copies of checkpoints kept in storage that is not on this filesystem.
+CHECKPOINT_CACHE_DIR = Path(env_str("CHECKPOINT_CACHE_DIR", str(DATA_DIR / "checkpoint-cache")))
+# Models the examples build on first use.
+MODELS_DIR = Path(env_str("LIGHTNING_MODELS_DIR", str(DATA_DIR / "models")))

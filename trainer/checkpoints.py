@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import hashlib
 import io
+import shutil
 import threading
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
-from django.core.files.base import ContentFile
+from django.core.files.base import ContentFile, File
 from django.core.files.storage import storages
 
 RESOURCE_TYPE = "checkpoint"
 FORMAT = "torch.save"
+DIR_FORMAT = "hf-dir"  # a directory: safetensors weights, config and tokenizer files
 STORAGE_ALIAS = "checkpoints"
 _CACHE_SIZE = 8
 
@@ -93,7 +96,77 @@ def checkpoint_load(resource: dict[str, Any]) -> dict[str, Any]:
 
 
 def checkpoint_delete(resource: dict[str, Any]) -> None:
-    _storage(resource.get("storage", STORAGE_ALIAS)).delete(resource["name"])
+    storage = _storage(resource.get("storage", STORAGE_ALIAS))
+    for name in resource.get("files") or []:
+        storage.delete(f"{resource['name']}/{name}")
+    storage.delete(resource["name"])
+
+
+def checkpoint_save_dir(
+    *, directory: str | Path, name_prefix: str, step: int, metrics: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Store the files of a checkpoint directory (a Hugging Face model saved with
+    `save_pretrained`, say) under a content-addressed directory name; returns the resource.
+    `sha256` covers every file's name and content."""
+    directory = Path(directory)
+    files = sorted(p.name for p in directory.iterdir() if p.is_file())
+    digest = hashlib.sha256()
+    for name in files:
+        digest.update(name.encode() + b"\0")
+        digest.update(_file_sha(directory / name).encode())
+    sha = digest.hexdigest()
+    storage = _storage(STORAGE_ALIAS)
+    name = f"{name_prefix}/step-{step}-{sha[:16]}"
+    size = 0
+    for file in files:
+        target = f"{name}/{file}"
+        size += (directory / file).stat().st_size
+        if not storage.exists(target):
+            with open(directory / file, "rb") as handle:
+                stored = storage.save(target, File(handle))
+            if stored != target:  # a concurrent writer of the same content got there first
+                storage.delete(stored)
+    return {
+        "resource_type": RESOURCE_TYPE, "storage": STORAGE_ALIAS, "name": name,
+        "uri": f"{STORAGE_ALIAS}:{name}", "sha256": sha, "format": DIR_FORMAT, "files": files,
+        "size": size, "step": step, "metrics": metrics or {},
+    }
+
+
+def checkpoint_local_dir(resource: dict[str, Any]) -> Path:
+    """A local directory holding a directory checkpoint's files: the storage's own directory
+    when it is on this filesystem, else a copy under CHECKPOINT_CACHE_DIR (by content hash)."""
+    if resource.get("format") != DIR_FORMAT:
+        raise CheckpointError(f"not a directory checkpoint: {resource.get('format')!r}")
+    storage = _storage(resource.get("storage", STORAGE_ALIAS))
+    try:
+        local = Path(storage.path(resource["name"]))
+    except NotImplementedError:
+        local = None
+    if local is not None:
+        missing = [f for f in resource["files"] if not (local / f).exists()]
+        if missing:
+            raise CheckpointError(f"checkpoint {resource['name']!r} lacks {missing}")
+        return local
+    from django.conf import settings
+
+    cache = Path(settings.CHECKPOINT_CACHE_DIR) / resource["sha256"]
+    if not (cache / ".complete").exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        for file in resource["files"]:
+            with storage.open(f"{resource['name']}/{file}", "rb") as src, \
+                    open(cache / file, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        (cache / ".complete").touch()
+    return cache
+
+
+def _file_sha(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def checkpoints_prune(*, name_prefix: str, keep_names: set[str]) -> list[str]:
@@ -101,12 +174,19 @@ def checkpoints_prune(*, name_prefix: str, keep_names: set[str]) -> list[str]:
     deleted versions). Names are content-addressed, so a retried step's file is a kept one."""
     storage = _storage(STORAGE_ALIAS)
     try:
-        _, files = storage.listdir(name_prefix)
+        dirs, files = storage.listdir(name_prefix)
     except FileNotFoundError:
         return []
     doomed = [f"{name_prefix}/{f}" for f in files if f"{name_prefix}/{f}" not in keep_names]
     for name in doomed:
         storage.delete(name)
+    for folder in dirs:  # directory checkpoints (DIR_FORMAT)
+        name = f"{name_prefix}/{folder}"
+        if name not in keep_names:
+            for file in storage.listdir(name)[1]:
+                storage.delete(f"{name}/{file}")
+            storage.delete(name)
+            doomed.append(name)
     return doomed
 
 

@@ -21,3 +21,13 @@ ATTR_TURN = "lightning.turn"  # int: position of the decision in its episode
 REWARD_ANNOTATION_SPAN = "agentlightning.annotation"
 REWARD_LEGACY_SPAN = "agentlightning.reward"
 REWARD_VALUE_ATTR = "agentlightning.reward.{index}.value"
+
+# LLM calls recorded by the model gateway (trainer/llm/calls.py): one span per returned choice,
+# named as AGL 0.3's triplet adapter expects, with its attribute names for the token ids.
+LLM_CALL_SPAN = "openai.chat.completion"
+LLM_COMPLETION_SPAN = "openai.completion"
+LLM_PROMPT_IDS = "prompt_token_ids"  # list[int]
+LLM_RESPONSE_IDS = "response_token_ids"  # list[int]
+LLM_LOGPROBS = "lightning.llm.logprobs"  # list[float]: per response token, temperature 1
+LLM_VERSION = "lightning.llm.version"  # int: the checkpoint version that generated it
+LLM_FINISH = "gen_ai.response.finish_reasons"

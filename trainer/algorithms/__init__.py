@@ -14,6 +14,7 @@ from trainer.algorithms.base import Algorithm, PlannedRollout, Update, step_seed
 BUILTINS: dict[str, str] = {
     "grpo": "trainer.algorithms.grpo.GRPO",
     "baseline": "trainer.algorithms.baseline.Baseline",
+    "grpo_lm": "trainer.algorithms.grpo_lm.GRPOLM",
 }
 
 

@@ -48,6 +48,25 @@ def plan_validation(val_dataset: Sequence[Any], seed: int, step: int) -> list[Pl
     ]
 
 
+def plan_groups(config: dict[str, Any], seed: int, *, step: int, final: bool,
+                train_dataset: Sequence[Any], val_dataset: Sequence[Any]) -> list[PlannedRollout]:
+    """`tasks_per_step` tasks, `group_size` rollouts each (one group per task), then the
+    validation set every `val_every` steps and after the last update (greedy)."""
+    planned: list[PlannedRollout] = []
+    if not final:
+        rng = random.Random(step_seed(seed, step))
+        count = min(int(config["tasks_per_step"]), len(train_dataset))
+        for t, index in enumerate(rng.sample(range(len(train_dataset)), count)):
+            for g in range(int(config["group_size"])):
+                planned.append(PlannedRollout(
+                    input={"task": train_dataset[index], "group": f"train-{index}",
+                           "seed": step_seed(seed, step, t * 1000 + g), "greedy": False},
+                ))
+    if final or step % int(config["val_every"]) == 0:
+        planned += plan_validation(val_dataset, seed, step)
+    return planned
+
+
 def group_advantages(samples: Sequence[Sample]) -> dict[str, float]:
     """Rollout id -> reward standardized within its group; groups where every reward is the
     same carry no signal and are left out."""
@@ -81,20 +100,8 @@ class GRPO(Algorithm):
     def plan(
         self, *, step: int, final: bool, train_dataset: Sequence[Any], val_dataset: Sequence[Any]
     ) -> list[PlannedRollout]:
-        planned: list[PlannedRollout] = []
-        if not final:
-            rng = random.Random(step_seed(self.seed, step))
-            count = min(int(self.config["tasks_per_step"]), len(train_dataset))
-            for t, index in enumerate(rng.sample(range(len(train_dataset)), count)):
-                for g in range(int(self.config["group_size"])):
-                    seed = step_seed(self.seed, step, t * 1000 + g)
-                    planned.append(PlannedRollout(
-                        input={"task": train_dataset[index], "group": f"train-{index}",
-                               "seed": seed, "greedy": False},
-                    ))
-        if final or step % int(self.config["val_every"]) == 0:
-            planned += plan_validation(val_dataset, self.seed, step)
-        return planned
+        return plan_groups(self.config, self.seed, step=step, final=final,
+                           train_dataset=train_dataset, val_dataset=val_dataset)
 
     def update(
         self, *, step: int, state: dict[str, Any], samples: list[Sample], device: str

@@ -1,0 +1,220 @@
+"""The model gateway over real HTTP: the official openai client, attribution, recording,
+bad input, hot reload, upstream mode."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+
+from store import services
+from store.models import Span
+from store.services import RolloutSpec
+from store.tokens import attempt_token
+from trainer import conventions as c
+from trainer.checkpoints import checkpoint_save_dir
+from trainer.llm.server import ServerThread, build_gateway
+
+pytestmark = pytest.mark.slow
+MESSAGES = [{"role": "user", "content": "abc 7"}]
+
+
+def started_attempt(project, resources_id=None):
+    rollout = services.rollout_enqueue_many(
+        project=project, specs=[RolloutSpec(input={"x": 1}, resources_id=resources_id)])[0]
+    rollout, attempt = services.rollout_dequeue(project=project, worker_id="w")
+    return rollout.pk, attempt.attempt_id
+
+
+def client(base: str, key: str, rollout=None, attempt=None) -> openai.OpenAI:
+    url = f"{base}/rollout/{rollout}/attempt/{attempt}/v1" if rollout else f"{base}/v1"
+    return openai.OpenAI(base_url=url, api_key=key, max_retries=0)
+
+
+def llm_spans(rollout_id):
+    return list(Span.objects.filter(rollout_id=rollout_id, name=c.LLM_CALL_SPAN)
+                .order_by("sequence_id"))
+
+
+def test_openai_client_chat_and_attribution_by_path(gateway_server, keyed):
+    gateway, base = gateway_server
+    project, key, *_ = keyed
+    rid, aid = started_attempt(project)
+    reply = client(base, key, rid, aid).chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=4, temperature=1.0, seed=3, n=2,
+        logprobs=True, top_logprobs=2)
+    assert len(reply.choices) == 2
+    assert reply.usage.completion_tokens == sum(
+        len(ch.logprobs.content) for ch in reply.choices)
+    spans = llm_spans(rid)
+    assert len(spans) == 2
+    engine = gateway.registry.by_name("tiny")
+    for span, choice in zip(sorted(spans, key=lambda s: s.attributes["lightning.llm.choice_index"]),
+                            reply.choices, strict=True):
+        a = span.attributes
+        assert engine.decode(a[c.LLM_RESPONSE_IDS]) == choice.message.content
+        assert a[c.LLM_PROMPT_IDS] and a[c.LLM_VERSION] == 0
+        assert len(a[c.LLM_LOGPROBS]) == len(a[c.LLM_RESPONSE_IDS])
+        assert [e["logprob"] for e in json.loads(a["logprobs.content"])] == a[c.LLM_LOGPROBS]
+        assert a["gen_ai.prompt.0.content"] == "abc 7"
+        assert a["gen_ai.completion.0.content"] == choice.message.content
+    # The same seed gives the same text.
+    again = client(base, key).chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=4, seed=3, n=2)
+    assert [ch.message.content for ch in again.choices] == [
+        ch.message.content for ch in reply.choices]
+
+
+def test_streaming_completions_and_headers_attribution(gateway_server, keyed):
+    gateway, base = gateway_server
+    project, key, *_ = keyed
+    rid, aid = started_attempt(project)
+    stream = client(base, key).chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=4, stream=True, seed=1,
+        extra_headers={"x-rollout-id": rid, "x-attempt-id": aid})
+    text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    spans = llm_spans(rid)
+    assert len(spans) == 1
+    assert gateway.registry.by_name("tiny").decode(
+        spans[0].attributes[c.LLM_RESPONSE_IDS]) == text
+    done = client(base, key, rid, aid).completions.create(model="tiny", prompt="abc 1",
+                                                            max_tokens=3, logprobs=1)
+    assert len(done.choices[0].logprobs.token_logprobs) == done.usage.completion_tokens
+    assert Span.objects.filter(rollout_id=rid, name=c.LLM_COMPLETION_SPAN).count() == 1
+
+
+def test_retry_with_the_same_idempotency_key_is_recorded_once(gateway_server, keyed):
+    _, base = gateway_server
+    project, key, *_ = keyed
+    rid, aid = started_attempt(project)
+    for _ in range(2):
+        client(base, key, rid, aid).chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=2,
+            extra_headers={"Idempotency-Key": "call-1"})
+    assert len(llm_spans(rid)) == 1
+    client(base, key, rid, aid).chat.completions.create(model="tiny", messages=MESSAGES,
+                                                        max_tokens=2)
+    assert len(llm_spans(rid)) == 2
+
+
+def test_attempt_token_is_good_for_its_own_attempt_only(gateway_server, keyed):
+    _, base = gateway_server
+    project, *_ = keyed
+    rid, aid = started_attempt(project)
+    token = attempt_token(project_id=project.pk, rollout_id=rid, attempt_id=aid)
+    client(base, token, rid, aid).chat.completions.create(model="tiny", messages=MESSAGES,
+                                                          max_tokens=2)
+    rid2, aid2 = started_attempt(project)
+    with pytest.raises(openai.AuthenticationError):
+        client(base, token, rid2, aid2).chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=2)
+    with pytest.raises(openai.AuthenticationError):
+        client(base, "wrong").chat.completions.create(model="tiny", messages=MESSAGES)
+
+
+def test_bad_input_answers(gateway_server, keyed):
+    _, base = gateway_server
+    project, key, other, other_key = keyed
+    rid, aid = started_attempt(project)
+    http = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"})
+    # another project's key: the rollout is not found, nothing recorded
+    with pytest.raises(openai.NotFoundError):
+        client(base, other_key, rid, aid).chat.completions.create(model="tiny",
+                                                                  messages=MESSAGES)
+    with pytest.raises(openai.NotFoundError):
+        client(base, key, rid, "nope").chat.completions.create(model="tiny", messages=MESSAGES)
+    with pytest.raises(openai.NotFoundError):
+        client(base, key).chat.completions.create(model="missing", messages=MESSAGES)
+    long = [{"role": "user", "content": "x" * 500}]
+    with pytest.raises(openai.BadRequestError, match="context is 32 tokens"):
+        client(base, key, rid, aid).chat.completions.create(model="tiny", messages=long)
+    for body in ("{not json", json.dumps({"model": "tiny"}),
+                 json.dumps({"model": "tiny", "messages": MESSAGES, "n": 0}),
+                 json.dumps({"model": "tiny", "messages": MESSAGES, "temperature": "hot"})):
+        answer = http.post(f"/rollout/{rid}/attempt/{aid}/v1/chat/completions", content=body)
+        assert answer.status_code == 400, body
+        assert answer.json()["error"]["message"]
+    assert llm_spans(rid) == []
+    services.attempt_update(project=project, rollout_id=rid, attempt_id=aid, status="succeeded")
+    answer = http.post(f"/rollout/{rid}/attempt/{aid}/v1/chat/completions",
+                       json={"model": "tiny", "messages": MESSAGES})
+    assert answer.status_code == 409
+    assert llm_spans(rid) == []
+    # unattributed calls are served, not recorded
+    assert http.post("/v1/chat/completions",
+                     json={"model": "tiny", "messages": MESSAGES}).status_code == 200
+    assert [m.id for m in client(base, key).models.list()] == ["tiny"]
+
+
+def test_hot_reload_under_concurrent_requests(gateway_server, keyed, model_dir, settings,
+                                              tmp_path):
+    settings.STORAGES = {**settings.STORAGES, "checkpoints": {
+        "BACKEND": "django.core.files.storage.FileSystemStorage",
+        "OPTIONS": {"location": str(tmp_path / "ckpt")}}}
+    gateway, base = gateway_server
+    project, key, *_ = keyed
+    checkpoint = checkpoint_save_dir(directory=model_dir, name_prefix="jobs/x", step=0)
+
+    def llm(version):
+        return {"llm": {"resource_type": "proxy_llm", "endpoint": f"{base}/v1", "model": "job-x",
+                        "version": version, "checkpoint": checkpoint}}
+
+    resources_id = services.resources_add(project=project, resources=llm(0)) \
+        .resource_set.resources_id
+    rid, aid = started_attempt(project, resources_id)
+    errors, versions = [], []
+
+    def caller():
+        try:
+            for _ in range(6):
+                out = client(base, key, rid, aid).chat.completions.create(
+                    model="job-x", messages=MESSAGES, max_tokens=2)
+                versions.append(out.id)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    client(base, key, rid, aid).chat.completions.create(model="job-x", messages=MESSAGES,
+                                                        max_tokens=2)
+    assert gateway.registry.loaded_versions("job-x") == [0]
+    threads = [threading.Thread(target=caller) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for version in (1, 2):  # the trainer publishes new versions while calls run
+        services.resources_update(project=project, resources_id=resources_id,
+                                  resources=llm(version))
+        gateway.poll_once()
+        assert version in gateway.registry.loaded_versions("job-x")
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert len(versions) == 48
+    assert gateway.registry.loaded_versions("job-x") == [1, 2]  # at most 2 kept
+    assert len(llm_spans(rid)) == 49
+    # The rollout pinned llm version 0, unloaded now: the newest serves it, and says so.
+    client(base, key, rid, aid).chat.completions.create(model="job-x", messages=MESSAGES,
+                                                        max_tokens=2)
+    assert llm_spans(rid)[-1].attributes[c.LLM_VERSION] == 2
+
+
+def test_upstream_mode_records_the_upstreams_token_ids(gateway_server, keyed, model_dir):
+    engine_gateway, engine_base = gateway_server
+    project, key, *_ = keyed
+    front = build_gateway(upstream_url=f"{engine_base}/v1", upstream_key=key)
+    server = ServerThread(front.app()).start()
+    try:
+        base = f"http://127.0.0.1:{server.port}"
+        rid, aid = started_attempt(project)
+        reply = client(base, key, rid, aid).chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=4, seed=5)
+        spans = llm_spans(rid)
+        assert len(spans) == 1
+        a = spans[0].attributes
+        engine = engine_gateway.registry.by_name("tiny")
+        assert engine.decode(a[c.LLM_RESPONSE_IDS]) == reply.choices[0].message.content
+        assert len(a[c.LLM_LOGPROBS]) == len(a[c.LLM_RESPONSE_IDS])
+        assert a[c.LLM_PROMPT_IDS]
+    finally:
+        server.stop()

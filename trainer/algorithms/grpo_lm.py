@@ -1,0 +1,200 @@
+"""grpo_lm: GRPO on the token ids the model gateway recorded, for Hugging Face causal LMs.
+
+Each step runs `group_size` rollouts of `tasks_per_step` tasks against the current checkpoint
+(served by the gateway); every LLM call of a rollout becomes a sample (token_adapter.py) with
+its rollout's reward. Advantages are group-relative (reward minus the group's mean, divided by
+its spread; groups with one reward carry no signal). The loss is PPO's clipped objective per
+generated token against the log-probabilities recorded at generation time, averaged over
+tokens, plus `kl_coef` times a KL estimate to the initial model when set; micro-batches of
+`micro_batch` samples accumulate gradients into one optimizer step per epoch. On CUDA when the
+training worker has it.
+
+A checkpoint is a directory (`save_pretrained`: safetensors weights, config, tokenizer, plus
+the optimizer's state) stored through the checkpoint storage; each one is published both as
+the job's `checkpoint` resource and as its `llm` resource (the gateway's endpoint, the model's
+name and the version), which the next step's rollouts pin.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from trainer import checkpoints
+from trainer.algorithms.adapter import FinishedRollout
+from trainer.algorithms.base import Algorithm, PlannedRollout, Update, step_seed
+from trainer.algorithms.grpo import group_advantages, plan_groups
+from trainer.algorithms.token_adapter import TokenAdapter, TokenSample
+
+log = logging.getLogger(__name__)
+
+DEFAULTS: dict[str, Any] = {
+    "lr": 1e-3,
+    "group_size": 8,
+    "tasks_per_step": 8,
+    "epochs": 2,
+    "clip": 0.2,
+    "kl_coef": 0.0,
+    "micro_batch": 64,
+    "max_grad_norm": 1.0,
+    "val_every": 1,
+    # What agents are asked to use (the `llm` resource's sampling_parameters).
+    "sampling_parameters": {"temperature": 1.0, "max_tokens": 16},
+}
+OPTIMIZER_FILE = "optimizer.pt"
+
+
+class GRPOLM(Algorithm):
+    serves_llm = True
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__({**DEFAULTS, **config})
+        if not self.config.get("model"):
+            raise ValueError("grpo_lm needs config['model']: a checkpoint directory in Hugging "
+                             "Face format (or a model id in the local Hugging Face cache)")
+        self.token_adapter = TokenAdapter(aggregation=self.config.get("aggregation",
+                                                                      "transition"))
+
+    # --- checkpoints: directories, not torch.save payloads ------------------------------------
+    def init_state(self) -> dict[str, Any]:
+        return {"dir": str(self.config["model"]), "owned": False}
+
+    def save(self, state: dict[str, Any], *, name_prefix: str, step: int,
+             metrics: dict[str, Any] | None = None) -> dict[str, Any]:
+        try:
+            return checkpoints.checkpoint_save_dir(directory=state["dir"],
+                                                   name_prefix=name_prefix, step=step,
+                                                   metrics=metrics)
+        finally:
+            if state.get("owned"):
+                shutil.rmtree(state["dir"], ignore_errors=True)
+
+    def load(self, resource: dict[str, Any]) -> dict[str, Any]:
+        return {"dir": str(checkpoints.checkpoint_local_dir(resource)), "owned": False}
+
+    def published_resources(self, checkpoint: dict[str, Any], *, job_id: int) -> dict[str, Any]:
+        from django.conf import settings
+
+        return {"llm": {
+            "resource_type": "proxy_llm",
+            "endpoint": settings.LLM_GATEWAY_URL,
+            "model": str(self.config.get("model_name") or f"job-{job_id}"),
+            "sampling_parameters": dict(self.config["sampling_parameters"]),
+            "version": int(checkpoint["step"]),
+            "checkpoint": {k: v for k, v in checkpoint.items() if k != "metrics"},
+        }}
+
+    # --- the loop -----------------------------------------------------------------------------
+    def plan(self, *, step: int, final: bool, train_dataset: Sequence[Any],
+             val_dataset: Sequence[Any]) -> list[PlannedRollout]:
+        return plan_groups(self.config, self.seed, step=step, final=final,
+                           train_dataset=train_dataset, val_dataset=val_dataset)
+
+    def samples(self, rollouts: Sequence[FinishedRollout]) -> list[TokenSample]:  # type: ignore[override]
+        return [
+            sample for rollout in rollouts if rollout.mode == "train" and rollout.succeeded
+            for sample in self.token_adapter.samples(rollout)
+        ]
+
+    def update(self, *, step: int, state: dict[str, Any], samples: list[Any],
+               device: str) -> Update:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.manual_seed(step_seed(self.seed, step))
+        model = AutoModelForCausalLM.from_pretrained(state["dir"], dtype=torch.float32)
+        model.to(device)
+        # No dropout: the ratio must compare the same function the gateway sampled from.
+        model.eval()
+        optimizer = torch.optim.Adam(model.parameters(), lr=float(self.config["lr"]))
+        saved = Path(state["dir"]) / OPTIMIZER_FILE
+        if saved.exists():
+            optimizer.load_state_dict(torch.load(saved, map_location=device, weights_only=True))
+        reference = None
+        if float(self.config["kl_coef"]) > 0:
+            reference = AutoModelForCausalLM.from_pretrained(str(self.config["model"]))
+            reference.to(device).eval()
+        advantages = group_advantages(samples)
+        trained = [s for s in samples if s.rollout_id in advantages]
+        metrics: dict[str, Any] = {"samples": len(samples), "trained_samples": len(trained),
+                                   "trained_tokens": sum(s.generated for s in trained)}
+        stale = [s for s in samples if s.version is not None and s.version != step]
+        if stale:
+            metrics["off_policy_samples"] = len(stale)
+        for _ in range(int(self.config["epochs"]) if trained else 0):
+            metrics.update(self._epoch(model, reference, optimizer, trained, advantages, device))
+        out = Path(tempfile.mkdtemp(prefix="grpo_lm-"))
+        model.save_pretrained(out)
+        AutoTokenizer.from_pretrained(state["dir"]).save_pretrained(out)
+        torch.save(optimizer.state_dict(), out / OPTIMIZER_FILE)
+        return Update(state={"dir": str(out), "owned": True}, metrics=metrics)
+
+    def _epoch(self, model: Any, reference: Any, optimizer: Any, samples: list[TokenSample],
+               advantages: dict[str, float], device: str) -> dict[str, float]:
+        import torch
+
+        clip, kl_coef = float(self.config["clip"]), float(self.config["kl_coef"])
+        total_tokens = sum(s.generated for s in samples)
+        size = int(self.config["micro_batch"])
+        optimizer.zero_grad()
+        sums = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "ratio": 0.0}
+        for start in range(0, len(samples), size):
+            batch = _tensors(samples[start:start + size], advantages, device)
+            new = _token_logprobs(model, batch)
+            mask = batch["mask"]
+            ratio = torch.exp(new - batch["old"])
+            adv = batch["advantage"].unsqueeze(1)
+            surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - clip, 1 + clip) * adv)
+            per_token = -surrogate
+            if reference is not None:
+                with torch.no_grad():
+                    ref = _token_logprobs(reference, batch)
+                # k3 estimator of KL(pi || pi_ref): non-negative, unbiased.
+                kl = torch.exp(ref - new) - (ref - new) - 1
+                per_token = per_token + kl_coef * kl
+                sums["kl"] += float((kl * mask).sum().detach())
+            loss = (per_token * mask).sum() / total_tokens
+            loss.backward()
+            sums["loss"] += float(loss.detach())
+            sums["clip_fraction"] += float((((ratio - 1).abs() > clip).float() * mask).sum())
+            sums["ratio"] += float((ratio.detach() * mask).sum())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), float(self.config["max_grad_norm"]))
+        optimizer.step()
+        return {"loss": sums["loss"], "clip_fraction": sums["clip_fraction"] / total_tokens,
+                "mean_ratio": sums["ratio"] / total_tokens,
+                **({"kl": sums["kl"] / total_tokens} if reference is not None else {})}
+
+
+def _tensors(samples: list[TokenSample], advantages: dict[str, float],
+             device: str) -> dict[str, Any]:
+    """Right-padded ids, attention and loss masks, recorded logprobs, advantages."""
+    import torch
+
+    width = max(len(s.input_ids) for s in samples)
+
+    def pad(rows: list[list], value: Any) -> list[list]:
+        return [row + [value] * (width - len(row)) for row in rows]
+
+    return {
+        "ids": torch.tensor(pad([s.input_ids for s in samples], 0), device=device),
+        "attention": torch.tensor(pad([[1] * len(s.input_ids) for s in samples], 0),
+                                  device=device),
+        "mask": torch.tensor(pad([s.mask for s in samples], 0), dtype=torch.float32,
+                             device=device),
+        "old": torch.tensor(pad([s.old_logprobs for s in samples], 0.0), device=device),
+        "advantage": torch.tensor([advantages[s.rollout_id] for s in samples], device=device),
+    }
+
+
+def _token_logprobs(model: Any, batch: dict[str, Any]) -> Any:
+    """log pi(token_t | tokens_<t) at every position (0 at the first, which has no context)."""
+    import torch
+
+    logits = model(input_ids=batch["ids"], attention_mask=batch["attention"]).logits.float()
+    logp = torch.log_softmax(logits[:, :-1], dim=-1)
+    taken = logp.gather(2, batch["ids"][:, 1:].unsqueeze(2)).squeeze(2)
+    return torch.cat([torch.zeros_like(taken[:, :1]), taken], dim=1)

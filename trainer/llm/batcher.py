@@ -1,0 +1,86 @@
+"""Dynamic batching: concurrent requests decode together.
+
+Callers `submit` sequences for an engine and wait; one thread takes whatever arrived within
+`window` seconds of the first waiting request (up to `max_batch` sequences), groups it by
+engine (checkpoint version) and decodes each group in one batch. Requests that arrive while a
+batch decodes wait for the next one.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from trainer.llm.engine import Engine, Sequence_
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Job:
+    engine: Engine
+    sequences: list[Sequence_]
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+class Batcher:
+    def __init__(self, *, window: float = 0.005, max_batch: int = 64) -> None:
+        self.window, self.max_batch = window, max_batch
+        self._queue: queue.Queue[Job] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="llm-batcher", daemon=True)
+        self._thread.start()
+        self.batches = 0  # decoded batches, for tests and the bench
+        self.largest = 0
+
+    def submit(self, engine: Engine, sequences: list[Sequence_]) -> Job:
+        for seq in sequences:
+            engine.check_prompt(seq.prompt_ids)
+        job = Job(engine, sequences)
+        self._queue.put(job)
+        return job
+
+    def run(self, engine: Engine, sequences: list[Sequence_], timeout: float | None = None
+            ) -> None:
+        """Submit and wait until every sequence is done; re-raises the decode's error."""
+        job = self.submit(engine, sequences)
+        if not job.done.wait(timeout):
+            raise TimeoutError("generation did not finish in time")
+        if job.error is not None:
+            raise job.error
+
+    def _loop(self) -> None:
+        while True:
+            jobs = [self._queue.get()]
+            deadline = time.monotonic() + self.window
+            size = len(jobs[0].sequences)
+            while size < self.max_batch:
+                left = deadline - time.monotonic()
+                try:
+                    job = self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                jobs.append(job)
+                size += len(job.sequences)
+            by_engine: dict[int, list[Job]] = {}
+            for job in jobs:
+                by_engine.setdefault(id(job.engine), []).append(job)
+            for group in by_engine.values():
+                self._decode(group)
+
+    def _decode(self, jobs: list[Job]) -> None:
+        sequences = [seq for job in jobs for seq in job.sequences]
+        self.batches += 1
+        self.largest = max(self.largest, len(sequences))
+        try:
+            jobs[0].engine.generate(sequences)
+        except BaseException as exc:  # every waiter learns of it; the loop goes on
+            log.exception("batch of %d sequences failed", len(sequences))
+            for job in jobs:
+                job.error = exc
+        finally:
+            for job in jobs:
+                job.done.set()

@@ -1,0 +1,166 @@
+"""An LLM call as a span of its attempt: who it belongs to (attribution) and what is recorded.
+
+Attribution follows AGL 0.3's LLM proxy: the base URL `/rollout/{rid}/attempt/{aid}/v1` or the
+`x-rollout-id` / `x-attempt-id` headers. The rollout and attempt must belong to the caller's
+project (else: not found) and the attempt must still be open (else: finished). Each returned
+choice is recorded as one span named as AGL's triplet adapter expects (trainer.conventions),
+with the prompt and response token ids, per-token log-probabilities, the checkpoint version
+that generated it, finish reason, usage and latency. A retried request (same idempotency key)
+gets the same span ids, which the store keeps once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from store import services as store_services
+from store.errors import NotFound
+from store.models import Attempt, Project, ResourceVersion, Rollout
+from store.statemachine import ATTEMPT_ENDED, ROLLOUT_TERMINAL
+from trainer import conventions as c
+from trainer.llm.engine import Sequence_
+
+
+class AttemptFinished(Exception):
+    """The attributed attempt (or its rollout) already ended: its calls cannot be recorded."""
+
+
+@dataclass(frozen=True)
+class Attribution:
+    project: Project
+    rollout_id: str
+    attempt_id: str
+    llm: dict[str, Any] | None  # the `llm` resource the rollout pinned, if any
+    resources_id: str | None = None
+
+
+def attribute(*, project: Project, rollout_id: str, attempt_id: str) -> Attribution:
+    rollout = Rollout.objects.filter(project=project, pk=rollout_id).first()
+    if rollout is None:
+        raise NotFound("rollout", rollout_id)
+    attempt = Attempt.objects.filter(rollout=rollout, attempt_id=attempt_id).first()
+    if attempt is None:
+        raise NotFound("attempt", f"{rollout_id}/{attempt_id}")
+    if attempt.status in ATTEMPT_ENDED or rollout.status in ROLLOUT_TERMINAL:
+        raise AttemptFinished(f"attempt {rollout_id}/{attempt_id} is {attempt.status} "
+                              f"(rollout {rollout.status}); its calls are no longer recorded")
+    return Attribution(project, rollout_id, attempt_id, _pinned_llm(rollout),
+                       rollout.resources_id)
+
+
+def _pinned_llm(rollout: Rollout) -> dict[str, Any] | None:
+    if not rollout.resources_id:
+        return None
+    versions = ResourceVersion.objects.filter(
+        resource_set__project_id=rollout.project_id,
+        resource_set__resources_id=rollout.resources_id,
+    )
+    row = (versions.filter(version=rollout.resources_version).first()
+           if rollout.resources_version is not None else
+           versions.order_by("-version").first())
+    return llm_resource(row.resources) if row is not None else None
+
+
+def llm_resource(resources: dict[str, Any]) -> dict[str, Any] | None:
+    """The LLM resource among a version's resources (the first served by this gateway)."""
+    for value in resources.values():
+        if (isinstance(value, dict) and value.get("resource_type") in ("llm", "proxy_llm")
+                and value.get("checkpoint")):
+            return value
+    return None
+
+
+@dataclass
+class Call:
+    """What one request asked and got, to record."""
+
+    kind: str  # "chat" or "completion"
+    model: str
+    version: int
+    request: dict[str, Any]
+    prompt_ids: list[int]
+    choices: list[Sequence_]
+    started: float
+    finished: float
+    response_id: str
+    idempotency_key: str | None = None
+    token_text: Any = None  # callable: token id -> its text (for logprobs.content)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def response_id(kind: str, key: str | None) -> str:
+    prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+    if key:
+        return prefix + hashlib.sha256(key.encode()).hexdigest()[:24]
+    return prefix + secrets.token_hex(12)
+
+
+def record(attribution: Attribution, call: Call) -> None:
+    spans = [_span(attribution, call, i, choice) for i, choice in enumerate(call.choices)]
+    store_services.spans_ingest(project=attribution.project, spans=spans)
+
+
+def _span(attribution: Attribution, call: Call, index: int, choice: Sequence_) -> dict[str, Any]:
+    if call.idempotency_key:
+        seed = f"{attribution.attempt_id}:{call.idempotency_key}:{index}".encode()
+        digest = hashlib.sha256(seed).hexdigest()
+        trace_id, span_id = digest[:32], digest[32:48]
+    else:
+        trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
+    request = call.request
+    attributes: dict[str, Any] = {
+        "gen_ai.system": "lightning",
+        "gen_ai.operation.name": "chat" if call.kind == "chat" else "text_completion",
+        "gen_ai.request.model": request.get("model"),
+        "gen_ai.response.model": call.model,
+        "gen_ai.response.id": call.response_id if index == 0 else f"{call.response_id}-{index}",
+        c.LLM_FINISH: choice.finish_reason,
+        "gen_ai.usage.prompt_tokens": len(call.prompt_ids),
+        "gen_ai.usage.completion_tokens": len(choice.token_ids),
+        c.LLM_PROMPT_IDS: list(call.prompt_ids),
+        c.LLM_RESPONSE_IDS: list(choice.token_ids),
+        c.LLM_LOGPROBS: list(choice.logprobs),
+        c.LLM_VERSION: call.version,
+        "lightning.llm.latency_ms": round((call.finished - call.started) * 1000, 3),
+        "lightning.llm.choice_index": index,
+        "logprobs.content": json.dumps([
+            {"token": call.token_text(t) if call.token_text else str(t), "logprob": lp,
+             "top_logprobs": [{"token": call.token_text(a) if call.token_text else str(a),
+                               "logprob": v} for a, v in top]}
+            for t, lp, top in zip(choice.token_ids, choice.logprobs, choice.top, strict=True)
+        ]),
+    }
+    for name in ("temperature", "top_p", "max_tokens", "seed", "n"):
+        if request.get(name) is not None:
+            attributes[f"gen_ai.request.{name}"] = request[name]
+    if call.kind == "chat":
+        for i, message in enumerate(request.get("messages") or []):
+            attributes[f"gen_ai.prompt.{i}.role"] = message.get("role")
+            content = message.get("content")
+            attributes[f"gen_ai.prompt.{i}.content"] = (
+                content if isinstance(content, str) else json.dumps(content))
+    else:
+        attributes["gen_ai.prompt.0.role"] = "user"
+        attributes["gen_ai.prompt.0.content"] = request.get("prompt")
+    attributes["gen_ai.completion.0.role"] = "assistant"
+    attributes["gen_ai.completion.0.content"] = choice.text
+    attributes["gen_ai.completion.0.finish_reason"] = choice.finish_reason
+    return {
+        "rollout_id": attribution.rollout_id, "attempt_id": attribution.attempt_id,
+        "sequence_id": None, "trace_id": trace_id, "span_id": span_id, "parent_id": None,
+        "name": c.LLM_CALL_SPAN if call.kind == "chat" else c.LLM_COMPLETION_SPAN,
+        "status": {"status_code": "OK", "description": None},
+        "attributes": attributes, "events": [], "links": [],
+        "start_time": call.started, "end_time": call.finished,
+        "context": {"trace_id": trace_id, "span_id": span_id, "is_remote": False},
+        "resource": {"attributes": {"service.name": "lightning.gateway"}, "schema_url": ""},
+    }
+
+
+def now() -> float:
+    return time.time()

@@ -1,0 +1,195 @@
+"""One loaded checkpoint decoding a batch of requests together.
+
+An `Engine` holds a Hugging Face causal LM and its tokenizer, loaded from a checkpoint
+directory (safetensors weights, config, tokenizer files) with `AutoModelForCausalLM` /
+`AutoTokenizer`, on CUDA when the process has it. `generate` decodes a batch of sequences of
+different prompts and sampling settings in one forward pass per token (left padding, a KV
+cache), and reports each generated token to its sequence as it comes (streaming), with its
+log-probability under the model (temperature 1, before any sampling transform: what the
+trainer recomputes) and the top alternatives when asked.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TokenCallback = Callable[["Sequence_", int, float, list[tuple[int, float]]], None]
+
+
+class PromptTooLong(ValueError):
+    """The prompt leaves no room to generate within the model's context."""
+
+
+@dataclass
+class Params:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    top_logprobs: int = 0
+
+
+@dataclass(eq=False)
+class Sequence_:
+    """One sequence being decoded (a request with `n` > 1 has n of them)."""
+
+    prompt_ids: list[int]
+    params: Params
+    index: int = 0
+    on_token: TokenCallback | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+def pick_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class Engine:
+    """A model and tokenizer from one checkpoint directory (`version` says which)."""
+
+    def __init__(self, path: str | Path, *, version: int = 0, name: str = "model",
+                 device: str | None = None) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.path, self.version, self.name = str(path), version, name
+        self.device = device or pick_device()
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype)
+        self.model.to(self.device).eval()
+        config = self.model.config
+        self.context = int(getattr(config, "n_positions", None)
+                           or getattr(config, "max_position_embeddings", 2048))
+        self.eos_ids = _eos_ids(self.tokenizer, config)
+        self.pad_id = self.tokenizer.pad_token_id
+        if self.pad_id is None:
+            self.pad_id = self.eos_ids[0] if self.eos_ids else 0
+        # One decode at a time per engine: torch on a CPU is already parallel inside.
+        self.lock = threading.Lock()
+        # transformers 5.24 renamed `past_key_values` to `cache` (the old name warns).
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+
+    def check_prompt(self, prompt_ids: Sequence[int]) -> None:
+        if not prompt_ids:
+            raise PromptTooLong("the prompt is empty")
+        if len(prompt_ids) >= self.context:
+            raise PromptTooLong(
+                f"the prompt is {len(prompt_ids)} tokens; this model's context is "
+                f"{self.context} tokens (prompt plus completion)"
+            )
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    @torch.inference_mode()
+    def generate(self, sequences: list[Sequence_]) -> None:
+        """Decode every sequence to its end (EOS, a stop string, max_tokens or the context)."""
+        for seq in sequences:
+            self.check_prompt(seq.prompt_ids)
+        with self.lock:
+            self._generate(sequences)
+
+    def _generate(self, sequences: list[Sequence_]) -> None:
+        width = max(len(s.prompt_ids) for s in sequences)
+        rows = [[self.pad_id] * (width - len(s.prompt_ids)) + list(s.prompt_ids)
+                for s in sequences]
+        mask = [[0] * (width - len(s.prompt_ids)) + [1] * len(s.prompt_ids) for s in sequences]
+        input_ids = torch.tensor(rows, device=self.device)
+        attention = torch.tensor(mask, device=self.device)
+        budget = [min(s.params.max_tokens, self.context - len(s.prompt_ids)) for s in sequences]
+        generators = [_generator(s.params.seed, s.index) for s in sequences]
+        past = None
+        for _ in range(max(budget)):
+            positions = (attention.cumsum(-1) - 1).clamp(min=0)
+            step_ids = input_ids if past is None else input_ids[:, -1:]
+            step_pos = positions if past is None else positions[:, -1:]
+            out = self.model(input_ids=step_ids, attention_mask=attention, position_ids=step_pos,
+                             use_cache=True, **{self._cache_arg: past})
+            past = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+            logits = out.logits[:, -1, :].float()
+            logprobs = torch.log_softmax(logits, dim=-1)
+            chosen = [self._choose(s, logits[i], generators[i]) if not s.done else self.pad_id
+                      for i, s in enumerate(sequences)]
+            for i, seq in enumerate(sequences):
+                if not seq.done:
+                    self._advance(seq, chosen[i], logprobs[i], budget[i])
+            if all(s.done for s in sequences):
+                break
+            next_ids = torch.tensor(chosen, device=self.device).unsqueeze(1)
+            input_ids = torch.cat([input_ids, next_ids], dim=1)
+            attention = torch.cat([attention, torch.ones_like(next_ids)], dim=1)
+
+    def _choose(self, seq: Sequence_, logits: torch.Tensor, generator: torch.Generator) -> int:
+        p = seq.params
+        if p.temperature <= 0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits / p.temperature, dim=-1)
+        if p.top_p < 1.0:
+            ordered, order = torch.sort(probs, descending=True)
+            keep = ordered.cumsum(-1) - ordered < p.top_p
+            probs = torch.zeros_like(probs).scatter(0, order[keep], ordered[keep])
+        return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+    def _advance(self, seq: Sequence_, token: int, logprobs: torch.Tensor, budget: int) -> None:
+        logprob = float(logprobs[token])
+        top: list[tuple[int, float]] = []
+        if seq.params.top_logprobs:
+            values, ids = torch.topk(logprobs, seq.params.top_logprobs)
+            top = [(int(t), float(v)) for t, v in zip(ids.tolist(), values.tolist(), strict=True)]
+        seq.token_ids.append(token)
+        seq.logprobs.append(logprob if math.isfinite(logprob) else -1e9)
+        seq.top.append(top)
+        if token in self.eos_ids:
+            seq.finish_reason = "stop"
+        else:
+            seq.text = self.decode(seq.token_ids)
+            hit = _first_stop(seq.text, seq.params.stop)
+            if hit is not None:
+                seq.text = seq.text[:hit]
+                seq.finish_reason = "stop"
+            elif len(seq.token_ids) >= budget:
+                seq.finish_reason = "length"
+        if seq.on_token is not None:
+            seq.on_token(seq, token, logprob, top)
+
+
+def _first_stop(text: str, stops: Sequence[str]) -> int | None:
+    found = [text.find(s) for s in stops if s and s in text]
+    return min(found) if found else None
+
+
+def _generator(seed: int | None, index: int) -> torch.Generator:
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(int(seed) * 1_000_003 + index)
+    return generator
+
+
+def _eos_ids(tokenizer: Any, config: Any) -> set[int]:
+    ids = set()
+    for value in (tokenizer.eos_token_id, getattr(config, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(int(v) for v in value)
+    return ids

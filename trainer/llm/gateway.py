@@ -1,0 +1,366 @@
+"""The model gateway: an OpenAI-compatible HTTP API (Starlette) over local engines or an
+upstream server, recording every attributed call as a span of its attempt.
+
+Routes, each also under `/rollout/{rollout_id}/attempt/{attempt_id}` (AGL's ProxyLLM):
+`POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`; plus `GET /health`.
+Authentication: `Authorization: Bearer KEY` with a project API key (the OpenAI client's
+`api_key`), or an attempt token (store/tokens.py) for that attempt's own calls.
+Status codes: 401 bad key; 404 unknown model, or rollout/attempt not in the key's project
+(nothing recorded); 409 the attempt already ended; 400 malformed body or a prompt beyond the
+model's context (the message names the limit); 502 the upstream failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from django.db import close_old_connections
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from store.api.auth import authenticate_key
+from store.errors import NotFound
+from store.models import Project, ResourceVersion
+from store.tokens import attempt_token_project
+from trainer.llm import calls
+from trainer.llm.batcher import Batcher
+from trainer.llm.engine import Engine, PromptTooLong, Sequence_
+from trainer.llm.openai_api import BadRequest, Parsed, chunk, parse, response, usage
+from trainer.llm.registry import Registry, UnknownModel
+from trainer.llm.tokenizer import render_chat
+
+log = logging.getLogger(__name__)
+DB_THREADS = 16
+
+
+class Gateway:
+    def __init__(self, *, registry: Registry | None = None, batcher: Batcher | None = None,
+                 upstream: Any = None, poll_seconds: float = 1.0) -> None:
+        self.registry = registry or Registry()
+        self.batcher = batcher or Batcher()
+        self.upstream = upstream  # trainer.llm.upstream.Upstream, or None: local engines
+        self.poll_seconds = poll_seconds
+        self._watched: dict[tuple[int, str], str] = {}
+        self._watch_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._poller: threading.Thread | None = None
+        # Database work runs on these threads (each keeps its connection); `close` closes them.
+        self._threads = DB_THREADS
+        self._db = ThreadPoolExecutor(max_workers=DB_THREADS, thread_name_prefix="llm-gateway")
+
+    async def _in_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._db, fn, *args)
+
+    def close(self) -> None:
+        """Close the database connections of the gateway's threads (then stop using it)."""
+        from django.db import connections
+
+        self.stop_polling()
+        barrier = threading.Barrier(self._threads)
+
+        def close_one() -> None:
+            try:
+                barrier.wait(5)  # one task per thread: each waits until all threads took one
+            except threading.BrokenBarrierError:
+                pass
+            connections.close_all()
+
+        for future in [self._db.submit(close_one) for _ in range(self._threads)]:
+            future.result()
+        self._db.shutdown(wait=True)
+
+    # --- the app ------------------------------------------------------------------------------
+    def app(self) -> Starlette:
+        routes = []
+        for prefix in ("", "/rollout/{rollout_id}/attempt/{attempt_id}"):
+            routes += [
+                Route(prefix + "/v1/chat/completions", self._chat, methods=["POST"]),
+                Route(prefix + "/v1/completions", self._completions, methods=["POST"]),
+                Route(prefix + "/v1/models", self._models, methods=["GET"]),
+            ]
+        routes.append(Route("/health", self._health, methods=["GET"]))
+        app = Starlette(routes=routes, lifespan=self._lifespan)
+        app.state.gateway = self
+        return app
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette):
+        self.start_polling()
+        try:
+            yield
+        finally:
+            self.stop_polling()
+
+    async def _health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "models": self.registry.names()})
+
+    async def _models(self, request: Request) -> Response:
+        try:
+            await self._in_thread(self._authorize, request,
+                                    request.path_params.get("rollout_id"),
+                                    request.path_params.get("attempt_id"))
+        except BadRequest as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        now = int(time.time())
+        names = self.registry.names() if self.upstream is None else [self.upstream.model]
+        return JSONResponse({"object": "list", "data": [
+            {"id": name, "object": "model", "created": now, "owned_by": "lightning"}
+            for name in names]})
+
+    async def _chat(self, request: Request) -> Response:
+        return await self._complete(request, "chat")
+
+    async def _completions(self, request: Request) -> Response:
+        return await self._complete(request, "completion")
+
+    async def _complete(self, request: Request, kind: str) -> Response:
+        started = time.time()
+        try:
+            raw = await request.body()
+            try:
+                body = json.loads(raw)
+            except ValueError:
+                raise BadRequest("the request body is not valid JSON") from None
+            parsed = parse(body, kind)
+            prepared = await self._in_thread(self._prepare, request, parsed)
+        except BadRequest as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        if parsed.stream:
+            return StreamingResponse(self._stream(prepared, started),
+                                     media_type="text/event-stream")
+        try:
+            await self._in_thread(self._generate, prepared)
+            await self._in_thread(self._record, prepared, started)
+        except BadRequest as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(response(parsed, rid=prepared.rid, model=prepared.model_name,
+                                     prompt_ids=prepared.prompt_ids, choices=prepared.choices,
+                                     text_of=prepared.text_of))
+
+    # --- the steps of a call (in worker threads: they touch the database) --------------------
+    def _authorize(self, request: Request, rollout_id: str | None = None,
+                   attempt_id: str | None = None) -> Project:
+        close_old_connections()
+        header = request.headers.get("authorization", "")
+        scheme, _, raw = header.partition(" ")
+        if scheme.lower() != "bearer" or not raw.strip():
+            raise BadRequest("missing API key: send 'Authorization: Bearer KEY'", status=401,
+                             code="invalid_api_key", kind="authentication_error")
+        raw = raw.strip()
+        if rollout_id and attempt_id:
+            project_id = attempt_token_project(raw, rollout_id=rollout_id, attempt_id=attempt_id)
+            if project_id is not None:
+                project = Project.objects.filter(pk=project_id).first()
+                if project is not None:
+                    return project
+        key = authenticate_key(raw)
+        if key is None:
+            raise BadRequest("invalid or revoked API key", status=401, code="invalid_api_key",
+                             kind="authentication_error")
+        return key.project
+
+    def _prepare(self, request: Request, parsed: Parsed) -> _Prepared:
+        rollout_id = request.path_params.get("rollout_id") or request.headers.get("x-rollout-id")
+        attempt_id = request.path_params.get("attempt_id") or request.headers.get("x-attempt-id")
+        if bool(rollout_id) != bool(attempt_id):
+            raise BadRequest("attribution needs both a rollout id and an attempt id")
+        project = self._authorize(request, rollout_id, attempt_id)
+        attribution = None
+        if rollout_id:
+            try:
+                attribution = calls.attribute(project=project, rollout_id=rollout_id,
+                                              attempt_id=attempt_id)
+            except NotFound as exc:
+                raise BadRequest(str(exc), status=404, code="not_found") from None
+            except calls.AttemptFinished as exc:
+                raise BadRequest(str(exc), status=409, code="attempt_finished") from None
+        key = request.headers.get("idempotency-key") or request.headers.get("x-request-id")
+        prepared = _Prepared(parsed, project, attribution, key)
+        if self.upstream is not None:
+            prepared.model_name = parsed.model
+            return prepared
+        engine = self._engine(parsed, attribution)
+        prepared.engine, prepared.model_name = engine, engine.name
+        prepared.prompt_ids = _prompt_ids(engine, parsed)
+        try:
+            engine.check_prompt(prepared.prompt_ids)
+        except PromptTooLong as exc:
+            raise BadRequest(str(exc), "messages" if parsed.kind == "chat" else "prompt",
+                             code="context_length_exceeded") from None
+        prepared.choices = parsed.sequences(prepared.prompt_ids)
+        prepared.text_of = lambda t: engine.tokenizer.decode([t])
+        return prepared
+
+    def _engine(self, parsed: Parsed, attribution: calls.Attribution | None) -> Engine:
+        try:
+            if attribution is not None and attribution.llm is not None:
+                self.watch(attribution.project.pk, attribution.resources_id,
+                           str(attribution.llm["model"]))
+                return self.registry.for_resource(attribution.llm)
+            return self.registry.by_name(parsed.model)
+        except UnknownModel:
+            raise BadRequest(f"the model '{parsed.model}' does not exist", "model", status=404,
+                             code="model_not_found") from None
+
+    def _generate(self, prepared: _Prepared) -> None:
+        if self.upstream is not None:
+            self.upstream.complete(prepared)
+            return
+        self.batcher.run(prepared.engine, prepared.choices)
+
+    def _record(self, prepared: _Prepared, started: float) -> None:
+        close_old_connections()
+        if prepared.attribution is None:
+            return
+        call = calls.Call(
+            kind=prepared.parsed.kind, model=prepared.model_name, version=prepared.version,
+            request=prepared.parsed.body, prompt_ids=prepared.prompt_ids,
+            choices=prepared.choices, started=started, finished=time.time(),
+            response_id=prepared.rid, idempotency_key=prepared.key, token_text=prepared.text_of)
+        calls.record(prepared.attribution, call)
+
+    async def _stream(self, prepared: _Prepared, started: float):
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        parsed, created = prepared.parsed, int(started)
+        holdback = max((len(s) for s in parsed.params.stop), default=1) - 1
+        sent = [0] * len(prepared.choices)
+
+        def on_token(seq: Sequence_, token: int, logprob: float, top: list) -> None:
+            end = len(seq.text) if seq.done else max(sent[seq.index], len(seq.text) - holdback)
+            text, sent[seq.index] = seq.text[sent[seq.index]:end], end
+            lp = None
+            if parsed.logprobs:
+                entry = {"token": prepared.text_of(token), "logprob": logprob,
+                         "top_logprobs": [{"token": prepared.text_of(a), "logprob": v}
+                                          for a, v in top]}
+                lp = {"content": [entry]} if parsed.kind == "chat" else {
+                    "tokens": [entry["token"]], "token_logprobs": [logprob]}
+            event = chunk(parsed, rid=prepared.rid, model=prepared.model_name, created=created,
+                          index=seq.index, text=text, finish_reason=seq.finish_reason,
+                          token_ids=[token], logprobs=lp)
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        if parsed.kind == "chat":
+            for seq in prepared.choices:
+                yield _sse(chunk(parsed, rid=prepared.rid, model=prepared.model_name,
+                                 created=created, index=seq.index, text="", finish_reason=None,
+                                 role=True))
+        for seq in prepared.choices:
+            seq.on_token = on_token
+        work = asyncio.ensure_future(self._in_thread(self._generate, prepared))
+        while True:
+            getter = asyncio.ensure_future(events.get())
+            done, _ = await asyncio.wait({getter, work}, return_when=asyncio.FIRST_COMPLETED)
+            if getter in done:
+                yield _sse(getter.result())
+                continue
+            getter.cancel()
+            break
+        while not events.empty():
+            yield _sse(events.get_nowait())
+        try:
+            work.result()
+            await self._in_thread(self._record, prepared, started)
+        except Exception as exc:  # the stream already started: report in-band
+            log.exception("streamed call failed")
+            yield _sse({"error": {"message": str(exc), "type": "server_error"}})
+            return
+        if parsed.include_usage:
+            yield _sse({"id": prepared.rid, "object": "chat.completion.chunk", "created": created,
+                        "model": prepared.model_name, "choices": [],
+                        "usage": usage(prepared.prompt_ids, prepared.choices)})
+        yield "data: [DONE]\n\n"
+
+    # --- hot reload: follow the resources of the models served --------------------------------
+    def watch(self, project_id: int, resources_id: str | None, model: str) -> None:
+        if resources_id:
+            with self._watch_lock:
+                self._watched[(project_id, resources_id)] = model
+
+    def start_polling(self) -> None:
+        if self._poller is None and self.upstream is None:
+            self._poller = threading.Thread(target=self._poll_loop, name="llm-gateway-poller",
+                                            daemon=True)
+            self._poller.start()
+
+    def stop_polling(self) -> None:
+        self._stop.set()
+
+    def poll_once(self) -> int:
+        """Load the newest published version of every watched model; returns how many."""
+        loaded = 0
+        with self._watch_lock:
+            watched = list(self._watched.items())
+        for (project_id, resources_id), model in watched:
+            row = (ResourceVersion.objects.filter(
+                resource_set__project_id=project_id, resource_set__resources_id=resources_id)
+                .order_by("-version").first())
+            llm = calls.llm_resource(row.resources) if row is not None else None
+            if llm is None or str(llm.get("model")) != model:
+                continue
+            if int(llm.get("version") or 0) not in self.registry.loaded_versions(model):
+                newest = self.registry.loaded_versions(model)
+                if not newest or int(llm.get("version") or 0) > max(newest):
+                    self.registry.for_resource(llm)
+                    loaded += 1
+        return loaded
+
+    def _poll_loop(self) -> None:
+        from django.db import connections
+
+        try:
+            while not self._stop.wait(self.poll_seconds):
+                try:
+                    self.poll_once()
+                except Exception:  # the store is away: try at the next tick
+                    log.exception("the gateway's poll for new checkpoints failed")
+        finally:
+            connections.close_all()
+
+
+class _Prepared:
+    """One call on its way: who asked, what for, and (once generated) what it got."""
+
+    def __init__(self, parsed: Parsed, project: Project, attribution: calls.Attribution | None,
+                 key: str | None) -> None:
+        self.parsed, self.project, self.attribution, self.key = parsed, project, attribution, key
+        self.rid = calls.response_id(parsed.kind, key)
+        self.engine: Engine | None = None
+        self.model_name = parsed.model
+        self.prompt_ids: list[int] = []
+        self.choices: list[Sequence_] = []
+        self.text_of = str
+        self.upstream_version: int | None = None
+
+    @property
+    def version(self) -> int:
+        if self.engine is not None:
+            return self.engine.version
+        return self.upstream_version or 0
+
+
+def _prompt_ids(engine: Engine, parsed: Parsed) -> list[int]:
+    body = parsed.body
+    try:
+        if parsed.kind == "chat":
+            return render_chat(engine.tokenizer, body["messages"])
+        prompt = body["prompt"]
+        if isinstance(prompt, list):
+            return [int(t) for t in prompt]
+        return [int(t) for t in engine.tokenizer(prompt)["input_ids"]]
+    except ValueError as exc:
+        raise BadRequest(str(exc), "messages") from None
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload)}\n\n"

@@ -1,0 +1,203 @@
+"""OpenAI request bodies in, OpenAI response bodies out (chat completions and completions).
+
+Validation is strict and names the field at fault; errors use OpenAI's shape
+`{"error": {"message", "type", "param", "code"}}`. As vLLM does, a request may ask for
+`return_token_ids: true` and then gets `prompt_token_ids` and each choice's `token_ids` back
+(the gateway's upstream mode relies on it).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from trainer.llm.engine import Params, Sequence_
+
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+
+
+class BadRequest(ValueError):
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 code: str | None = None, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.code, self.kind = (
+            message, param, status, code, kind)
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+
+@dataclass
+class Parsed:
+    kind: str  # "chat" or "completion"
+    body: dict[str, Any]
+    model: str
+    params: Params
+    n: int
+    stream: bool
+    logprobs: bool
+    return_token_ids: bool
+    include_usage: bool
+
+    def sequences(self, prompt_ids: list[int]) -> list[Sequence_]:
+        return [Sequence_(list(prompt_ids), self.params, index=i) for i in range(self.n)]
+
+
+def parse(body: Any, kind: str) -> Parsed:
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' is required and must be a string", "model")
+    if kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("'messages' must be a non-empty list", "messages")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise BadRequest(f"messages[{i}] must be an object with a 'role'",
+                                 f"messages[{i}]")
+            if not isinstance(m.get("content"), str | list | type(None)):
+                raise BadRequest(f"messages[{i}].content must be a string or a list",
+                                 f"messages[{i}].content")
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str) and not (
+                isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+            raise BadRequest("'prompt' must be a string or a list of token ids", "prompt")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", 16))
+    if max_tokens is None:
+        max_tokens = 16
+    _integer(max_tokens, "max_tokens", 1)
+    temperature = _number(body.get("temperature", 1.0), "temperature", 0.0, 2.0)
+    top_p = _number(body.get("top_p", 1.0), "top_p", 0.0, 1.0)
+    if top_p == 0:
+        raise BadRequest("'top_p' must be greater than 0", "top_p")
+    n = _integer(body.get("n", 1), "n", 1, MAX_N)
+    seed = body.get("seed")
+    if seed is not None:
+        _integer(seed, "seed")
+    stop = body.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,)
+    elif isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) for s in stop):
+        stops = tuple(stop)
+    else:
+        raise BadRequest("'stop' must be a string or a list of up to 4 strings", "stop")
+    if kind == "chat":
+        logprobs = _boolean(body.get("logprobs", False), "logprobs")
+        top = body.get("top_logprobs") or 0
+        top = _integer(top, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+        if top and not logprobs:
+            raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    else:
+        top = body.get("logprobs")
+        logprobs = top is not None
+        top = _integer(top or 0, "logprobs", 0, MAX_TOP_LOGPROBS) if logprobs else 0
+    stream = _boolean(body.get("stream", False), "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise BadRequest("'stream_options' must be an object", "stream_options")
+    return Parsed(
+        kind=kind, body=body, model=model,
+        params=Params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stops,
+                      seed=seed, top_logprobs=top),
+        n=n, stream=stream, logprobs=logprobs,
+        return_token_ids=_boolean(body.get("return_token_ids", False), "return_token_ids"),
+        include_usage=bool(options.get("include_usage")),
+    )
+
+
+def _boolean(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise BadRequest(f"'{name}' must be a boolean", name)
+    return value
+
+
+def _integer(value: Any, name: str, low: int | None = None, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"'{name}' must be an integer", name)
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise BadRequest(f"'{name}' must be between {low} and {high}" if high is not None
+                         else f"'{name}' must be at least {low}", name)
+    return value
+
+
+def _number(value: Any, name: str, low: float, high: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise BadRequest(f"'{name}' must be a number", name)
+    if not low <= value <= high:
+        raise BadRequest(f"'{name}' must be between {low} and {high}", name)
+    return float(value)
+
+
+# --- responses --------------------------------------------------------------------------------
+def _logprobs_chat(seq: Sequence_, text_of) -> dict[str, Any]:
+    return {"content": [
+        {"token": text_of(t), "logprob": lp, "bytes": list(text_of(t).encode()),
+         "top_logprobs": [{"token": text_of(a), "logprob": v, "bytes": list(text_of(a).encode())}
+                          for a, v in top]}
+        for t, lp, top in zip(seq.token_ids, seq.logprobs, seq.top, strict=True)
+    ]}
+
+
+def _logprobs_text(seq: Sequence_, text_of) -> dict[str, Any]:
+    return {"tokens": [text_of(t) for t in seq.token_ids], "token_logprobs": list(seq.logprobs),
+            "top_logprobs": [{text_of(a): v for a, v in top} for top in seq.top],
+            "text_offset": []}
+
+
+def usage(prompt_ids: list[int], choices: list[Sequence_]) -> dict[str, int]:
+    completion = sum(len(s.token_ids) for s in choices)
+    return {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
+            "total_tokens": len(prompt_ids) + completion}
+
+
+def response(parsed: Parsed, *, rid: str, model: str, prompt_ids: list[int],
+             choices: list[Sequence_], text_of, created: int | None = None) -> dict[str, Any]:
+    created = created or int(time.time())
+    out_choices = []
+    for seq in choices:
+        if parsed.kind == "chat":
+            choice: dict[str, Any] = {
+                "index": seq.index, "message": {"role": "assistant", "content": seq.text},
+                "finish_reason": seq.finish_reason,
+                "logprobs": _logprobs_chat(seq, text_of) if parsed.logprobs else None,
+            }
+        else:
+            choice = {"index": seq.index, "text": seq.text, "finish_reason": seq.finish_reason,
+                      "logprobs": _logprobs_text(seq, text_of) if parsed.logprobs else None}
+        if parsed.return_token_ids:
+            choice["token_ids"] = list(seq.token_ids)
+        out_choices.append(choice)
+    body = {"id": rid, "object": "chat.completion" if parsed.kind == "chat" else
+            "text_completion", "created": created, "model": model, "choices": out_choices,
+            "usage": usage(prompt_ids, choices)}
+    if parsed.return_token_ids:
+        body["prompt_token_ids"] = list(prompt_ids)
+    return body
+
+
+def chunk(parsed: Parsed, *, rid: str, model: str, created: int, index: int, text: str | None,
+          finish_reason: str | None, role: bool = False, token_ids: list[int] | None = None,
+          logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    if parsed.kind == "chat":
+        delta: dict[str, Any] = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish_reason,
+                                  "logprobs": logprobs}
+    else:
+        choice = {"index": index, "text": text or "", "finish_reason": finish_reason,
+                  "logprobs": logprobs}
+    if parsed.return_token_ids and token_ids is not None:
+        choice["token_ids"] = token_ids
+    return {"id": rid, "object": "chat.completion.chunk" if parsed.kind == "chat" else
+            "text_completion", "created": created, "model": model, "choices": [choice]}

@@ -1,0 +1,86 @@
+"""Running the gateway: under uvicorn in its own process (`manage.py llm_serve`) or in a
+thread of this process (the embedded default: `lightning_site.embedded.embedded_gateway`)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from django.conf import settings
+
+from trainer.llm.batcher import Batcher
+from trainer.llm.gateway import Gateway
+from trainer.llm.registry import Registry
+
+log = logging.getLogger(__name__)
+
+
+def build_gateway(*, models: list[str] | None = None, upstream_url: str | None = None,
+                  upstream_key: str | None = None) -> Gateway:
+    """A gateway from settings (LLM_GATEWAY_*), with `models` ("name=path") served as well."""
+    from trainer.llm.upstream import Upstream
+
+    quiet_transformers()
+    upstream_url = upstream_url if upstream_url is not None else settings.LLM_GATEWAY_UPSTREAM_URL
+    upstream = None
+    if upstream_url:
+        upstream = Upstream(upstream_url, api_key=upstream_key if upstream_key is not None
+                            else settings.LLM_GATEWAY_UPSTREAM_KEY)
+    gateway = Gateway(
+        registry=Registry(max_versions=settings.LLM_GATEWAY_MAX_VERSIONS),
+        batcher=Batcher(window=settings.LLM_GATEWAY_BATCH_WINDOW_MS / 1000,
+                        max_batch=settings.LLM_GATEWAY_MAX_BATCH),
+        upstream=upstream, poll_seconds=settings.LLM_GATEWAY_POLL_SECONDS,
+    )
+    for spec in [*settings.LLM_GATEWAY_MODELS, *(models or [])]:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"a served model is 'name=path', not {spec!r}")
+        gateway.registry.add_directory(name, path)
+    return gateway
+
+
+def quiet_transformers() -> None:
+    """No progress bars or notices from transformers in our output."""
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        pass
+
+
+class ServerThread:
+    """uvicorn serving `app` on (host, port) in a daemon thread; `port` 0 picks a free one."""
+
+    def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0) -> None:
+        import uvicorn
+
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                access_log=False, lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="llm-gateway", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the model gateway did not start")
+            time.sleep(0.02)
+        return self
+
+    @property
+    def port(self) -> int:
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        close = getattr(self.server.config.app, "state", None)
+        gateway = getattr(close, "gateway", None) if close is not None else None
+        if gateway is not None:
+            gateway.close()

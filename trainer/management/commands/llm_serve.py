@@ -1,0 +1,34 @@
+"""`manage.py llm_serve`: the model gateway in its own process (README "Training LLM agents")."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.core.management.base import BaseCommand
+
+from trainer.llm.server import build_gateway
+
+
+class Command(BaseCommand):
+    help = ("Serve models behind an OpenAI-compatible API, recording attributed calls as spans "
+            "(the model gateway).")
+
+    def add_arguments(self, parser) -> None:
+        parser.add_argument("--host", default=settings.LLM_GATEWAY_HOST)
+        parser.add_argument("--port", type=int, default=settings.LLM_GATEWAY_PORT)
+        parser.add_argument("--model", action="append", default=[], metavar="NAME=PATH",
+                            help="serve this checkpoint directory as NAME (repeatable)")
+        parser.add_argument("--upstream", default=None, metavar="URL",
+                            help="forward to this OpenAI-compatible server (e.g. vLLM's /v1)")
+        parser.add_argument("--upstream-key", default=None)
+
+    def handle(self, *args, **options) -> None:
+        import uvicorn
+
+        gateway = build_gateway(models=options["model"], upstream_url=options["upstream"],
+                                upstream_key=options["upstream_key"])
+        where = f"http://{options['host']}:{options['port']}/v1"
+        mode = f"forwarding to {options['upstream']}" if options["upstream"] else (
+            "models: " + (", ".join(gateway.registry.names()) or "those jobs publish"))
+        self.stdout.write(f"model gateway on {where} ({mode})")
+        uvicorn.run(gateway.app(), host=options["host"], port=options["port"],
+                    log_level="warning")
