@@ -1,8 +1,10 @@
 """Our HTTP client of the store API (/v1/agl/, AGL 0.3's wire protocol plus our extensions).
 
 - Bearer key authentication.
-- Retries with exponential backoff on network errors and on 5xx/408/429 answers; a 4xx is the
-  caller's mistake and raises `ApiError` at once, with the status and the server's detail.
+- Retries with exponential backoff (runners/retry.py's policy, shared with the in-process
+  gateway) on network errors and on 5xx/408/429 answers, waiting at least the server's
+  `Retry-After` (a 503 while its database is down); a 4xx is the caller's mistake and raises
+  `ApiError` at once, with the status and the server's detail.
 - Requests that are not safe to repeat blindly (a dequeue: a lost answer would leave claimed
   rollouts behind) are retried only when the connection was never made.
 - Enqueues always carry an `Idempotency-Key` (one is made up when the caller gives none), so a
@@ -19,6 +21,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import httpx
+
+from runners.retry import RetryPolicy
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +57,7 @@ class StoreClient:
         backoff: float = 0.2, backoff_max: float = 5.0, span_batch: int = SPAN_BATCH,
     ) -> None:
         self.server = server.rstrip("/")
-        self.retries = retries
-        self.backoff = backoff
-        self.backoff_max = backoff_max
+        self.retry = RetryPolicy(retries=retries, backoff=backoff, backoff_max=backoff_max)
         self.span_batch = span_batch
         self._http = httpx.Client(
             base_url=self.server + "/v1/agl",
@@ -82,9 +84,10 @@ class StoreClient:
     ) -> httpx.Response:
         """Send with retries; returns a 2xx response or raises ApiError / StoreUnavailable.
         `safe=False`: retry only errors where the request surely never reached the server."""
-        delay = self.backoff
-        for attempt in range(self.retries + 1):
-            last = attempt == self.retries
+        delays = self.retry.delays()
+        while True:
+            delay = next(delays, None)
+            last = delay is None
             try:
                 extra = {"timeout": timeout} if timeout is not None else {}
                 response = self._http.request(method, path, json=json, params=params,
@@ -99,11 +102,10 @@ class StoreClient:
                     return response
                 if response.status_code not in RETRY_STATUSES or last or not safe:
                     raise ApiError(response.status_code, _detail(response), method, path)
+                delay = max(delay, _retry_after(response, self.retry.backoff_max))
                 log.warning("%s %s: HTTP %s; retrying in %.1fs", method, path,
                             response.status_code, delay)
             time.sleep(delay)
-            delay = min(delay * 2, self.backoff_max)
-        raise AssertionError("unreachable")
 
     # --- algorithm side ----------------------------------------------------------------------
 
@@ -210,6 +212,14 @@ class StoreClient:
             return self._http.get("/health", timeout=5).status_code == 200
         except httpx.TransportError:
             return False
+
+
+def _retry_after(response: httpx.Response, at_most: float) -> float:
+    """The server's Retry-After in seconds (0 when absent or a date), capped."""
+    try:
+        return min(float(response.headers.get("Retry-After", 0)), at_most)
+    except ValueError:
+        return 0.0
 
 
 def _detail(response: httpx.Response) -> Any:

@@ -1,4 +1,6 @@
-"""The StoreGateway on the store's own services: Celery rollout tasks and the embedded default."""
+"""The StoreGateway on the store's own services: Celery rollout tasks and the embedded default.
+Calls that must not be lost retry transient database errors (runners/retry.py), as the HTTP
+gateway retries network errors; a heartbeat is not retried (the next tick is its retry)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from typing import Any
 from django.utils import timezone
 
 from runners.gateway import Claim
+from runners.retry import DEFAULT, RetryPolicy
 from store import selectors, services
 from store.errors import IllegalTransition
 from store.models import Attempt, Project, Rollout
@@ -17,31 +20,35 @@ log = logging.getLogger(__name__)
 
 
 class LocalGateway:
-    def __init__(self, project: Project | int) -> None:
+    def __init__(self, project: Project | int, *, retry: RetryPolicy = DEFAULT) -> None:
         self.project = (
             project if isinstance(project, Project) else Project.objects.get(pk=project)
         )
+        self.retry = retry
 
     def claim(self, *, worker_id: str, limit: int = 1) -> list[Claim]:
-        claimed = services.rollout_dequeue_many(
+        claimed = self.retry.call(lambda: services.rollout_dequeue_many(
             project=self.project, worker_id=worker_id, limit=limit
-        )
+        ), what="dequeue")
         return [_claim(rollout, attempt) for rollout, attempt in claimed]
 
     def claim_rollout(self, *, rollout_id: str, worker_id: str) -> Claim | None:
-        claimed = services.rollout_claim(
+        claimed = self.retry.call(lambda: services.rollout_claim(
             project=self.project, rollout_id=rollout_id, worker_id=worker_id
-        )
+        ), what=f"claim {rollout_id}")
         return _claim(*claimed) if claimed else None
 
     def resources(self, *, resources_id: str, version: int | None) -> dict[str, Any]:
-        row = selectors.resources_get(
+        row = self.retry.call(lambda: selectors.resources_get(
             project=self.project, resources_id=resources_id, version=version
-        )
+        ), what=f"resources {resources_id}")
         return row.resources
 
     def add_spans(self, *, spans: list[dict[str, Any]]) -> set[str]:
-        return services.spans_ingest(project=self.project, spans=spans).cancelled
+        ingested = self.retry.call(
+            lambda: services.spans_ingest(project=self.project, spans=spans), what="spans"
+        )
+        return ingested.cancelled
 
     def heartbeat(self, *, rollout_id: str, attempt_id: str, worker_id: str) -> bool:
         try:
@@ -59,10 +66,10 @@ class LocalGateway:
         self, *, rollout_id: str, attempt_id: str, status: str, error: str | None = None
     ) -> None:
         try:
-            services.attempt_finish(
+            self.retry.call(lambda: services.attempt_finish(
                 project=self.project, rollout_id=rollout_id, attempt_id=attempt_id,
                 status=status, error=error,
-            )
+            ), what=f"finish {rollout_id}/{attempt_id}")
         except IllegalTransition as exc:  # someone already gave the final verdict
             log.warning("late report for %s/%s ignored: %s", rollout_id, attempt_id, exc)
 

@@ -1,5 +1,7 @@
 """Errors as HTTP: store errors and bad input get their status and a short JSON detail;
-nothing a client sends yields a 500 or a traceback.
+nothing a client sends yields a 500 or a traceback. A database that is down or restarting
+(or a deadlock that rolled a request back) answers 503 with `Retry-After`: the request is safe
+to repeat, and clients do (runners/client.py).
 
 Bodies: `{"detail": "message"}`, except validation errors (422), which use FastAPI's shape
 as AGL 0.3 does: `{"detail": [{"loc": ["body", "field", ...], "msg": "...", "type": "..."}]}`.
@@ -11,7 +13,7 @@ import logging
 from typing import Any
 
 from django.core.exceptions import RequestDataTooBig, SuspiciousOperation
-from django.db import DataError
+from django.db import DataError, InterfaceError, OperationalError
 from django.http import Http404
 from rest_framework import exceptions, status
 from rest_framework.response import Response
@@ -20,6 +22,8 @@ from rest_framework.views import exception_handler as drf_exception_handler
 from store.errors import IllegalTransition, InvalidInput, NotFound, ResourceInUse, StoreError
 
 log = logging.getLogger(__name__)
+
+RETRY_AFTER_SECONDS = 1
 
 
 class PayloadTooLarge(exceptions.APIException):
@@ -84,6 +88,11 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
     if isinstance(exc, DataError):
         # Values the database refuses (a NUL character in JSON, a number out of range).
         return Response({"detail": "invalid data: the database refused a value"}, status=400)
+    if isinstance(exc, OperationalError | InterfaceError):
+        log.warning("database unavailable in %s: %s", context.get("view").__class__.__name__,
+                    str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+        return Response({"detail": "the store's database is unavailable; retry"}, status=503,
+                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
     if isinstance(exc, Http404):
         return Response({"detail": "not found"}, status=404)
     response = drf_exception_handler(exc, context)

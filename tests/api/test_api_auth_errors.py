@@ -188,3 +188,27 @@ def test_wrong_content_type_is_415(algo):
     response = algo.post("/rollouts/search", content=b"limit=1",
                          headers={"Content-Type": "application/x-www-form-urlencoded"})
     assert response.status_code == 415
+
+
+def test_a_database_that_is_down_answers_503_with_retry_after(django_db_setup):
+    """Finding 6: Postgres restarting answered HTTP 500s (enqueue, span batch, dequeue)
+    instead of a retryable answer. Nothing listens on the database port here."""
+    from runners.client import ApiError, StoreClient
+    from tests.api.conftest import start_server
+
+    server = start_server(workers=1, threads=2,
+                          env={"DATABASE_URL": "postgres://postgres@127.0.0.1:18601/down"})
+    try:
+        with http(server, "agl_some-key-0000000000000000000") as client:
+            for path, body in [("/queues/rollouts/enqueue", {"rollouts": [{"input": 1}]}),
+                               ("/queues/rollouts/dequeue", {"limit": 1}),
+                               ("/spans/batch", {"spans": []})]:
+                response = client.post(path, json=body)
+                assert response.status_code == 503, (path, response.text)
+                assert response.headers["Retry-After"] == "1"
+        with StoreClient(server.url, "agl_some-key-0000000000000000000", retries=1,
+                         backoff=0.01) as store_client, pytest.raises(ApiError) as raised:
+            store_client.get_rollout("ro-x")
+        assert raised.value.status == 503
+    finally:
+        server.stop()
