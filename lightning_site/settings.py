@@ -93,6 +93,8 @@ LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
 USE_I18N = False
 USE_TZ = True
+# Full times (seconds) in the admin and pages: lightning_site/formats/en/formats.py.
+FORMAT_MODULE_PATH = ["lightning_site.formats"]
 
 STATIC_URL = "static/"
 STATIC_ROOT = Path(env_str("DJANGO_STATIC_ROOT", str(DATA_DIR / "static")))
