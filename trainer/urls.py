@@ -17,6 +17,8 @@ def build(*, workers: Callable[[], Any] | None = None) -> list[URLPattern]:
     return [
         path("", views.job_list, name="job_list"),
         path("<int:pk>/", views.job_detail, {"workers": workers}, name="job_detail"),
+        path("<int:pk>/cancel/", views.job_cancel, name="job_cancel"),
+        path("<int:pk>/resume/", views.job_resume, name="job_resume"),
     ]
 
 

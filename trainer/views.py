@@ -5,12 +5,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from django.contrib import messages
 from django.contrib.admin.views.decorators import staff_member_required
-from django.shortcuts import get_object_or_404, render
+from django.shortcuts import get_object_or_404, redirect, render
+from django.views.decorators.http import require_POST
 
-from trainer import selectors
-from trainer.models import TrainingJob
+from trainer import selectors, services
+from trainer.models import JOB_TERMINAL, JobStatus, TrainingJob
 from trainer.plots import Series, line_chart
+
+# Seconds between reloads of a job page while the job runs (a meta refresh: no script).
+REFRESH_SECONDS = 5
 
 
 @staff_member_required
@@ -47,5 +52,26 @@ def job_detail(request, pk: int, workers: Callable[[], Any] | None = None):
         "rollout_counts": sorted(selectors.job_rollout_counts(job=job).items()),
         "checkpoints": selectors.job_checkpoints(job=job),
         "queues": workers() if workers else [],
+        "refresh_seconds": None if job.status in JOB_TERMINAL else REFRESH_SECONDS,
+        "can_cancel": job.status not in JOB_TERMINAL,
+        "can_resume": job.status in (JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.PENDING),
     }
     return render(request, "trainer/job_detail.html", context)
+
+
+@require_POST
+@staff_member_required
+def job_cancel(request, pk: int):
+    job = get_object_or_404(TrainingJob, pk=pk)
+    job = services.job_cancel(job_id=job.pk)
+    messages.success(request, f"Job {job.pk}: {job.status}.")
+    return redirect("trainer:job_detail", pk=job.pk)
+
+
+@require_POST
+@staff_member_required
+def job_resume(request, pk: int):
+    job = get_object_or_404(TrainingJob, pk=pk)
+    job = services.job_resume(job_id=job.pk)
+    messages.success(request, f"Job {job.pk}: {job.status}, from its last finished step.")
+    return redirect("trainer:job_detail", pk=job.pk)
