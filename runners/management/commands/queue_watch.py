@@ -10,10 +10,11 @@ class Command(BaseCommand):
             "waiting and why, with a progress bar until every rollout is finished.")
 
     def add_arguments(self, parser):
-        parser.add_argument("project")
-        parser.add_argument("--interval", type=float, default=2.0)
+        parser.add_argument("project", help="the project's name")
+        parser.add_argument("--interval", type=float, default=2.0, help="seconds between updates")
         parser.add_argument("--once", action="store_true", help="print one snapshot and exit")
-        parser.add_argument("--timeout", type=float, default=None)
+        parser.add_argument("--timeout", type=float, default=None,
+                            help="stop following after this many seconds")
 
     def handle(self, *args, project, interval, once, timeout, **options):
         project = project_named(project)

@@ -18,20 +18,25 @@ class Command(BaseCommand):
             "waits for the batch; otherwise --wait shows progress until it is done.")
 
     def add_arguments(self, parser):
-        parser.add_argument("project")
-        parser.add_argument("--agent", required=True, help="dotted path, e.g. examples.math:agent")
-        parser.add_argument("--count", type=int, default=1)
+        parser.add_argument("project", help="the project's name")
+        parser.add_argument("--agent", required=True, help="dotted path, e.g. examples.hello:agent")
+        parser.add_argument("--count", type=int, default=1, help="rollouts to enqueue (1)")
         parser.add_argument("--input", default=None,
                             help="JSON input for every rollout (default {'index': i})")
         parser.add_argument("--inputs-file", default=None, help="JSON lines, one input each")
-        parser.add_argument("--mode", choices=["train", "val", "test"], default=None)
-        parser.add_argument("--max-attempts", type=int, default=1)
+        parser.add_argument("--mode", choices=["train", "val", "test"], default=None,
+                            help="AGL's rollout mode (default none)")
+        parser.add_argument("--max-attempts", type=int, default=1,
+                            help="attempts per rollout, retries included (1)")
         parser.add_argument("--retry-on", action="append", default=[],
                             help="attempt status that retries (failed, timeout, unresponsive)")
-        parser.add_argument("--timeout-seconds", type=float, default=None)
+        parser.add_argument("--timeout-seconds", type=float, default=None,
+                            help="an attempt running longer is timed out by the watchdog")
         parser.add_argument("--wait", action="store_true", help="follow until all are done")
-        parser.add_argument("--wait-timeout", type=float, default=None)
-        parser.add_argument("--create-project", action="store_true")
+        parser.add_argument("--wait-timeout", type=float, default=None,
+                            help="stop following after this many seconds")
+        parser.add_argument("--create-project", action="store_true",
+                            help="create the project if it does not exist")
 
     def handle(self, *args, **opts):
         quiet_libraries(opts["verbosity"])

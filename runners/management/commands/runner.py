@@ -27,13 +27,17 @@ class Command(BaseCommand):
                             help="http://host:port (default: AGL_SERVER_HOST/AGL_SERVER_PORT)")
         parser.add_argument("--key", default=None,
                             help="a runner API key (default: $LIGHTNING_API_KEY)")
-        parser.add_argument("--agent", required=True, help="dotted path of the agent")
-        parser.add_argument("--concurrency", type=int, default=1)
-        parser.add_argument("--worker-id", default="")
+        parser.add_argument("--agent", required=True,
+                            help="dotted path of the agent, e.g. examples.hello:agent")
+        parser.add_argument("--concurrency", type=int, default=1, help="rollouts run at once (1)")
+        parser.add_argument("--worker-id", default="",
+                            help="the name the store knows this runner by (default: made up)")
         parser.add_argument("--wait-seconds", type=float, default=5.0,
                             help="long-poll of an idle dequeue (server caps it at 20)")
-        parser.add_argument("--heartbeat-seconds", type=float, default=5.0)
-        parser.add_argument("--span-batch-size", type=int, default=100)
+        parser.add_argument("--heartbeat-seconds", type=float, default=5.0,
+                            help="heartbeat interval of a running attempt")
+        parser.add_argument("--span-batch-size", type=int, default=100,
+                            help="spans shipped per request")
         parser.add_argument("--max-rollouts", type=int, default=None,
                             help="stop after this many rollouts (default: run until SIGTERM)")
 

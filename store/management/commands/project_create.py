@@ -9,8 +9,8 @@ class Command(BaseCommand):
     help = "Create a project, optionally with API keys (each key is printed once)."
 
     def add_arguments(self, parser):
-        parser.add_argument("name")
-        parser.add_argument("--description", default="")
+        parser.add_argument("name", help="the new project's name (a slug)")
+        parser.add_argument("--description", default="", help="free text")
         parser.add_argument(
             "--key", action="append", default=[], choices=ApiKey.Role.values,
             help="create a key with this role (repeatable)",

@@ -15,9 +15,9 @@ class Command(BaseCommand):
     help = "Run a small store workload end to end and print statistics."
 
     def add_arguments(self, parser):
-        parser.add_argument("--project", default="demo")
-        parser.add_argument("--rollouts", type=int, default=200)
-        parser.add_argument("--batch", type=int, default=10)
+        parser.add_argument("--project", default="demo", help="project to use (default demo)")
+        parser.add_argument("--rollouts", type=int, default=200, help="rollouts to run (200)")
+        parser.add_argument("--batch", type=int, default=10, help="rollouts per batch (10)")
 
     def handle(self, *args, project, rollouts, batch, **options):
         if rollouts < 1 or batch < 1:

@@ -10,7 +10,8 @@ class Command(BaseCommand):
             "and every version an unfinished rollout uses.")
 
     def add_arguments(self, parser):
-        parser.add_argument("--keep-last", type=int, default=settings.STORE_RESOURCES_KEEP_LAST)
+        parser.add_argument("--keep-last", type=int, default=settings.STORE_RESOURCES_KEEP_LAST,
+                            help="versions kept per resources id (STORE_RESOURCES_KEEP_LAST)")
         parser.add_argument("--project", help="only this project")
 
     def handle(self, *args, keep_last, project, **options):

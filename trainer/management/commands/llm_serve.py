@@ -13,13 +13,15 @@ class Command(BaseCommand):
             "(the model gateway).")
 
     def add_arguments(self, parser) -> None:
-        parser.add_argument("--host", default=settings.LLM_GATEWAY_HOST)
-        parser.add_argument("--port", type=int, default=settings.LLM_GATEWAY_PORT)
+        parser.add_argument("--host", default=settings.LLM_GATEWAY_HOST,
+                            help="address to listen on (LLM_GATEWAY_HOST)")
+        parser.add_argument("--port", type=int, default=settings.LLM_GATEWAY_PORT,
+                            help="port (LLM_GATEWAY_PORT)")
         parser.add_argument("--model", action="append", default=[], metavar="NAME=PATH",
                             help="serve this checkpoint directory as NAME (repeatable)")
         parser.add_argument("--upstream", default=None, metavar="URL",
                             help="forward to this OpenAI-compatible server (e.g. vLLM's /v1)")
-        parser.add_argument("--upstream-key", default=None)
+        parser.add_argument("--upstream-key", default=None, help="API key sent to --upstream")
 
     def handle(self, *args, **options) -> None:
         import uvicorn

@@ -82,8 +82,9 @@ class Command(BaseCommand):
     def add_arguments(self, parser) -> None:
         parser.add_argument("target", help="job spec: a module with job_spec(), or its path")
         parser.add_argument("--steps", type=int, help="training steps (the spec's default)")
-        parser.add_argument("--seed", type=int, default=0)
-        parser.add_argument("--project", default="default")
+        parser.add_argument("--seed", type=int, default=0, help="seed of the spec and model (0)")
+        parser.add_argument("--project", default="default",
+                            help="project of the job, made if missing (default)")
         parser.add_argument("--algorithm", help="override the spec's algorithm")
         parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                             help="override one config value, e.g. --set lr=0.1")

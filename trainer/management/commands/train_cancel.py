@@ -12,7 +12,7 @@ class Command(BaseCommand):
     help = "Cancel a training job."
 
     def add_arguments(self, parser) -> None:
-        parser.add_argument("job", type=int)
+        parser.add_argument("job", type=int, help="the job's id (train_list shows them)")
 
     def handle(self, *args, **opts) -> None:
         job = services.job_cancel(job_id=job_or_error(opts["job"]).pk)

@@ -17,13 +17,14 @@ class Command(BaseCommand):
     help = "Resume a training job from its last finished step."
 
     def add_arguments(self, parser) -> None:
-        parser.add_argument("job", type=int)
+        parser.add_argument("job", type=int, help="the job's id (train_list shows them)")
         parser.add_argument(
             "--reclaim", action="store_true",
             help="take back work held by workers that are gone now instead of when their "
                  "leases run out (implied on the embedded default: no other process runs)")
-        parser.add_argument("--no-follow", action="store_true")
-        parser.add_argument("--quiet", action="store_true")
+        parser.add_argument("--no-follow", action="store_true",
+                            help="resume and return (distributed mode only)")
+        parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
     def handle(self, *args, **opts) -> None:
         quiet_libraries(opts["verbosity"])

@@ -13,7 +13,7 @@ class Command(BaseCommand):
     help = "Show a training job: status, error, and each step's metrics."
 
     def add_arguments(self, parser) -> None:
-        parser.add_argument("job", type=int)
+        parser.add_argument("job", type=int, help="the job's id (train_list shows them)")
         parser.add_argument("--follow", action="store_true", help="follow until it ends")
 
     def handle(self, *args, **opts) -> None:
