@@ -18,7 +18,8 @@ from django.utils import timezone
 from lightning_site import control
 from lightning_site.celery import app as celery_app
 from lightning_site.queues import Queue
-from runners.executor import ExecutorOptions, Outcome, execute
+from runners.agent import AgentError, load_agent
+from runners.executor import FAILED, ExecutorOptions, Outcome, execute
 from runners.local_gateway import LocalGateway
 from runners.models import CeleryWorker
 from store import services as store_services
@@ -46,9 +47,16 @@ def worker_id_here(hostname: str | None) -> str:
     return f"celery:{hostname or 'local'}:{os.getpid()}"
 
 
+class RolloutFailed(Exception):
+    """The attempt failed (recorded in the store first). Raised out of the rollout task, so
+    Celery and Flower show it as FAILURE with the agent's error; it is not in the task's
+    autoretry list, and the message is acknowledged, so it is not redelivered."""
+
+
 def rollout_run(*, project_id: int, rollout_id: str, worker_id: str) -> str:
     """Claim a named rollout and run it; a rollout no longer queued (a duplicate message, or
-    a runner got there first) is left alone. Returns the outcome's status."""
+    a runner got there first) is left alone. Returns the outcome's status; raises
+    RolloutFailed when the attempt failed."""
     project = Project.objects.filter(pk=project_id).first()
     if project is None:  # deleted since the message was sent
         return NOT_QUEUED
@@ -57,12 +65,21 @@ def rollout_run(*, project_id: int, rollout_id: str, worker_id: str) -> str:
     if claim is None:
         return NOT_QUEUED
     if not claim.agent:
+        error = "the rollout names no agent to run"
         gateway.finish(rollout_id=claim.rollout_id, attempt_id=claim.attempt_id, status="failed",
-                       error="the rollout names no agent to run")
-        return "failed"
+                       error=error)
+        raise RolloutFailed(f"{claim.rollout_id}/{claim.attempt_id}: {error}")
     outcome: Outcome = execute(gateway=gateway, claim=claim, agent=claim.agent,
                                worker_id=worker_id, options=executor_options())
+    if outcome.status == FAILED:
+        raise RolloutFailed(f"{claim.rollout_id}/{claim.attempt_id}: {_last_line(outcome.error)}")
     return outcome.status
+
+
+def _last_line(error: str | None) -> str:
+    """The exception line of a traceback: what Flower shows as the task's result."""
+    lines = [line for line in (error or "").splitlines() if line.strip()]
+    return lines[-1] if lines else "failed"
 
 
 def rollouts_enqueue_for_celery(
@@ -73,6 +90,10 @@ def rollouts_enqueue_for_celery(
     reconciliation sweep (`rollouts_redispatch`)."""
     if not agent or len(agent) > 300 or not (":" in agent or "." in agent):
         raise InvalidInput("agent", "must be a dotted path like 'package.module:name'")
+    try:
+        load_agent(agent)  # a mistyped path fails here, not once per rollout on the workers
+    except AgentError as exc:
+        raise InvalidInput("agent", str(exc)) from None
     specs = [_with_default_unresponsive(spec) for spec in specs]
     with transaction.atomic():
         rollouts = store_services.rollout_enqueue_many(project=project, specs=specs)

@@ -297,6 +297,24 @@ def rollouts_wait(
         waiter.sleep(remaining)
 
 
+def rollouts_first_error(*, rollout_ids: Sequence[str]) -> str | None:
+    """What went wrong with the first of these rollouts to fail: its latest attempt's error,
+    else the watchdog's or the queue's verdict. None when none failed."""
+    failed = (
+        Rollout.objects.filter(pk__in=list(rollout_ids), status="failed")
+        .select_related("latest_attempt").order_by("end_time", "pk").first()
+    )
+    if failed is None:
+        return None
+    attempt = failed.latest_attempt
+    error = ((attempt.metadata or {}).get("error") if attempt else None) or (
+        (failed.metadata or {}).get("store.failure")
+    )
+    if not error and attempt is not None:
+        error = f"attempt {attempt.attempt_id} ended {attempt.status}"
+    return f"rollout {failed.pk}: {error or 'failed'}"
+
+
 def rollout_cancelled_ids(*, project: Project, rollout_ids: Sequence[str]) -> set[str]:
     """Which of these rollouts were cancelled (runners learn it from their next report)."""
     return {pk for pk, status in _of_project(project, rollout_ids, "pk", "status")

@@ -40,7 +40,7 @@ def test_rollouts_enqueue_waits_for_the_batch_and_queue_watch_reports_it(
 def test_queue_watch_says_why_celery_rollouts_wait(project, django_capture_on_commit_callbacks):
     with django_capture_on_commit_callbacks():
         services.rollouts_enqueue_for_celery(
-            project=project, specs=[RolloutSpec(input=1)], agent="a.b:c"
+            project=project, specs=[RolloutSpec(input=1)], agent="tests.celery_agents:ok_agent"
         )
     out = StringIO()
     call_command("queue_watch", project.name, "--once", stdout=out)
@@ -72,3 +72,47 @@ def test_a_failing_reconciler_does_not_stop_the_others():
         control.unregister_reconciler("test_broken")
         control.unregister_reconciler("test_ok")
     assert counts["test_broken"] == -1 and counts["test_ok"] == 3
+
+
+@pytest.mark.django_db
+def test_a_mistyped_agent_path_is_refused_when_enqueuing(project):
+    """Finding 5: a mistyped agent path was accepted and failed every rollout."""
+    from django.core.management.base import CommandError
+
+    from store.errors import InvalidInput
+
+    with pytest.raises(InvalidInput, match="no_such_agent"):
+        services.rollouts_enqueue_for_celery(
+            project=project, specs=[RolloutSpec(input=1)], agent="tests.celery_agents:no_such_agent"
+        )
+    with pytest.raises(CommandError, match="cannot be imported"):
+        call_command("rollouts_enqueue", project.name, "--agent", "tests.celery_agnets:ok_agent",
+                     stdout=StringIO())
+    assert not project.rollouts.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_rollouts_enqueue_exits_non_zero_with_the_first_error_when_rollouts_failed(
+    project, settings, monkeypatch
+):
+    """Finding 5: `rollouts_enqueue` exited 0 with {"failed": 50}. The batch runs here, in
+    this process (the embedded workers' own path), by sending each rollout to rollout_run."""
+    from django.core.management.base import CommandError
+
+    def run_here(dispatches):
+        for d in dispatches:
+            with pytest.raises(services.RolloutFailed, match="ValueError: bad input"):
+                services.rollout_run(project_id=d.project_id, rollout_id=d.rollout_id,
+                                     worker_id="here")
+
+    monkeypatch.setattr(services, "dispatches_send", run_here)
+    settings.EMBEDDED_WORKERS = False
+    out = StringIO()
+    with pytest.raises(CommandError) as raised:
+        call_command("rollouts_enqueue", project.name, "--agent",
+                     "tests.celery_agents:failing_agent", "--count", "3", "--wait",
+                     "--wait-timeout", "30",
+                     stdout=out, stderr=StringIO())
+    assert json.loads(out.getvalue().splitlines()[-1]) == {"failed": 3}
+    assert "3 of 3 rollouts failed" in str(raised.value)
+    assert "ValueError: bad input" in str(raised.value)

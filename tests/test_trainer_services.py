@@ -242,3 +242,30 @@ def test_a_step_training_longer_than_its_lease_keeps_it(monkeypatch):
     assert outcome == ["done"]
     assert (step.status, step.attempts, step.worker) == (StepStatus.DONE, 1, "slow")
 
+
+
+def test_a_step_whose_train_rollouts_failed_runs_them_again_then_fails_the_job(monkeypatch):
+    """Finding 5: a job whose 192 rollouts all failed "succeeded"."""
+    sent = capture_sends(monkeypatch)
+    job = services.job_start(job_id=make_job(max_step_attempts=2).pk)
+    run_rollouts(job, fail=True)
+    assert services.step_train(step_id=sent.train_steps.pop(), worker="w") == "retry"
+    step = job.steps.get(n=0)
+    assert (step.status, step.round, step.attempts) == (StepStatus.ROLLING, 1, 1)
+    assert queued_count(job) == step.rollout_count + step.val_rollout_count  # run again
+    run_rollouts(job, fail=True)
+    assert services.step_train(step_id=sent.train_steps.pop(), worker="w") == "failed"
+    job.refresh_from_db()
+    assert (job.status, job.steps.get(n=0).status) == (JobStatus.FAILED, StepStatus.FAILED)
+    assert "8 of 8 train rollouts failed" in job.error
+    assert "could not read its checkpoint" in job.error
+
+
+def test_a_few_failed_rollouts_do_not_fail_the_step(monkeypatch):
+    sent = capture_sends(monkeypatch)
+    job = services.job_start(job_id=make_job(max_failed_rollout_share=0.5).pk)
+    claimed = store_services.rollout_dequeue(project=job.project, worker_id="w")
+    store_services.attempt_finish(project=job.project, rollout_id=claimed[0].pk,
+                                  attempt_id=claimed[1].attempt_id, status="failed", error="x")
+    run_rollouts(job)
+    assert services.step_train(step_id=sent.train_steps.pop(), worker="w") == "done"

@@ -46,9 +46,10 @@ def run_rollouts(job: TrainingJob, *, fail: bool = False) -> int:
         with attempt_tracing(rollout_id=rollout.pk, attempt_id=attempt.attempt_id) as spans:
             call_agent(agent, task=rollout.input, resources=resources, rollout=info)
         store_services.spans_add(project=job.project, spans=spans.take())
-        store_services.attempt_update(
+        store_services.attempt_finish(
             project=job.project, rollout_id=rollout.pk, attempt_id=attempt.attempt_id,
             status="failed" if fail else "succeeded",
+            error="RuntimeError: the agent could not read its checkpoint" if fail else None,
         )
         ran += 1
 

@@ -46,6 +46,10 @@ JOB_DEFAULTS: dict[str, Any] = {
     "seed": 0,
     # tries of one train step (a worker killed mid-step counts) before the job fails
     "max_step_attempts": 3,
+    # a step whose share of failed train rollouts is above this is a failed try: its
+    # rollouts run again (a new round) while tries are left, then the job fails with the
+    # first rollout's error, instead of "succeeding" on nothing
+    "max_failed_rollout_share": 0.5,
     # a claimed step is its worker's until then; longer than the slowest train step
     "step_lease_seconds": 120,
     # past this, a step trains on what finished and cancels the rest
@@ -125,7 +129,7 @@ def job_start(*, job_id: int) -> TrainingJob:
 
 
 def _step_plan(job: TrainingJob, algorithm: Algorithm, *, n: int, resources_version: int,
-               round: int = 0) -> TrainingStep:
+               round: int = 0, attempts: int = 0, error: str = "") -> TrainingStep:
     """Create step n (inside the caller's transaction), enqueue its rollouts with idempotency
     keys, and send them (and the train task, for an empty plan) after commit."""
     config = job_config(job)
@@ -140,7 +144,8 @@ def _step_plan(job: TrainingJob, algorithm: Algorithm, *, n: int, resources_vers
             "rollout_count": sum(1 for p in planned if p.mode == "train"),
             "val_rollout_count": sum(1 for p in planned if p.mode != "train"),
             "deadline": now + timedelta(seconds=config["step_timeout_seconds"]),
-            "attempts": 0, "lease_until": None, "error": "", "produced_version": None,
+            "attempts": attempts, "lease_until": None, "error": error,
+            "produced_version": None,
             "timings": {"planned": _iso(now)}, "metrics": {},
         },
     )
@@ -244,6 +249,10 @@ def step_train(*, step_id: int, worker: str | None = None) -> str:
     step = step_claim(step_id=step_id, worker=worker)
     if step is None:
         return "skipped"
+    failure = _rollouts_failure(step)
+    if failure is not None:
+        return step_record_failure(step_id=step.pk, attempt=step.attempts, error=failure,
+                                   rerun_rollouts=True)
     try:
         with lease_kept(step, job_config(step.job)["step_lease_seconds"]):
             result = _train(step)
@@ -251,6 +260,21 @@ def step_train(*, step_id: int, worker: str | None = None) -> str:
         return step_record_failure(step_id=step.pk, attempt=step.attempts,
                                    error=traceback.format_exc(limit=8))
     return _step_finish(step, result)
+
+
+def _rollouts_failure(step: TrainingStep) -> str | None:
+    """Why the step's train rollouts are no basis for a step: more than the job's
+    `max_failed_rollout_share` of them failed (a broken agent, an unreadable checkpoint).
+    None when they are."""
+    share = job_config(step.job)["max_failed_rollout_share"]
+    train = selectors.step_rollouts(step=step).filter(mode="train")
+    failed = list(train.filter(status=RolloutStatus.FAILED).values_list("pk", flat=True))
+    total = step.rollout_count
+    if not total or len(failed) <= share * total:
+        return None
+    first = store_selectors.rollouts_first_error(rollout_ids=failed)
+    return (f"{len(failed)} of {total} train rollouts failed (more than "
+            f"max_failed_rollout_share={share}); the first: {first}")
 
 
 def _train(step: TrainingStep) -> TrainResult:
@@ -345,17 +369,24 @@ def _retain(job: TrainingJob) -> None:
         checkpoints.checkpoints_prune(name_prefix=f"jobs/{job.pk}", keep_names=kept)
 
 
-def step_record_failure(*, step_id: int, attempt: int, error: str) -> str:
-    """A try that raised: back to ready and sent again while tries are left ("retry"), else
-    the step and its job fail with the error ("failed")."""
+def step_record_failure(*, step_id: int, attempt: int, error: str,
+                        rerun_rollouts: bool = False) -> str:
+    """A try that failed: back to ready and sent again while tries are left ("retry"), or
+    with `rerun_rollouts` back to rolling with its rollouts planned anew; else the step and
+    its job fail with the error ("failed")."""
     step = TrainingStep.objects.select_related("job").get(pk=step_id)
     if attempt < job_config(step.job)["max_step_attempts"]:
         now = _now()
         with transaction.atomic():
             moved = TrainingStep.objects.filter(
                 pk=step.pk, status=StepStatus.TRAINING, attempts=attempt
-            ).update(status=StepStatus.READY, error=error, lease_until=None, sent_at=now)
-            if moved:
+            ).update(status=StepStatus.ROLLING if rerun_rollouts else StepStatus.READY,
+                     error=error, lease_until=None, sent_at=now)
+            if moved and rerun_rollouts:
+                algorithm = algorithm_load(step.job.algorithm, job_config(step.job))
+                _step_plan(step.job, algorithm, n=step.n, resources_version=step.resources_version,
+                           round=step.round + 1, attempts=attempt, error=error)
+            elif moved:
                 transaction.on_commit(lambda: delivery.send_train_step(step.pk))
         return "retry" if moved else "lost"
     step.refresh_from_db()

@@ -8,6 +8,7 @@ from lightning_site.console import progress_stream, quiet_libraries
 from lightning_site.embedded import embedded_workers
 from runners import services
 from runners.management.commands._progress import follow, project_named, reward_line
+from store import selectors as store_selectors
 from store.errors import StoreError
 from store.services import RolloutSpec
 
@@ -63,6 +64,7 @@ class Command(BaseCommand):
                                    out=progress_stream(self.stdout))
                 self.stdout.write(reward_line([r.pk for r in rollouts]))
                 self.stdout.write(json.dumps(by_status, sort_keys=True))  # last: for scripts
+                _fail_loudly(by_status, [r.pk for r in rollouts])
 
     def _inputs(self, opts) -> list:
         if opts["inputs_file"]:
@@ -77,3 +79,11 @@ class Command(BaseCommand):
                 raise CommandError(f"--input is not JSON: {exc}") from None
             return [value] * opts["count"]
         return [{"index": i} for i in range(opts["count"])]
+
+
+def _fail_loudly(by_status: dict[str, int], rollout_ids: list[str]) -> None:
+    """A batch with failed rollouts exits non-zero, with the first error."""
+    failed = by_status.get("failed", 0)
+    if failed:
+        first = store_selectors.rollouts_first_error(rollout_ids=rollout_ids)
+        raise CommandError(f"{failed} of {len(rollout_ids)} rollouts failed; first: {first}")

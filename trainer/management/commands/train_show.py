@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 
 from lightning_site.console import progress_stream
 from trainer import progress
@@ -34,3 +34,5 @@ class Command(BaseCommand):
             self.stdout.write("  ".join(fields))
         if job.error:
             self.stdout.write(self.style.ERROR(job.error))
+        if job.status == "failed":  # scripts see it: a failed job exits non-zero
+            raise CommandError(f"job {job.pk} failed")
