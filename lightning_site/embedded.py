@@ -28,13 +28,13 @@ from celery.worker import state as worker_state
 from django.conf import settings
 from django.db import connections
 
+from lightning_site import agl_roles
 from lightning_site.celery import app as celery_app
 from lightning_site.queues import Queue
 from runners import services as runner_services
 
 log = logging.getLogger(__name__)
 
-DEFAULT_QUEUES = (Queue.ROLLOUTS, Queue.TRAINING)
 READY_TIMEOUT = 60.0
 STOP_TIMEOUT = 120.0
 
@@ -52,14 +52,18 @@ class EmbeddedWorkers:
 
 @contextmanager
 def embedded_workers(
-    *, queues: Sequence[str] = DEFAULT_QUEUES, concurrency: Mapping[str, int] | None = None,
+    *, queues: Sequence[str] | None = None, concurrency: Mapping[str, int] | None = None,
     sweep_seconds: float | None = None, loglevel: str = "WARNING",
 ) -> Iterator[EmbeddedWorkers]:
     """Run Celery workers for `queues` (one worker per queue, threads) and the sweep in this
-    process while the block runs. `concurrency` maps a queue to its worker's thread count
+    process while the block runs. `queues` defaults to those of the process's AGL role
+    (lightning_site/agl_roles.py: both queues unless AGL_CURRENT_ROLE says `runner` or
+    `algorithm`). `concurrency` maps a queue to its worker's thread count
     (default: EMBEDDED_ROLLOUT_CONCURRENCY for rollouts, 1 for the others); `sweep_seconds`
     defaults to LIGHTNING_SWEEP_SECONDS. Stopping waits for running tasks (warm shutdown)."""
     concurrency = dict(concurrency or {})
+    if queues is None:
+        queues = agl_roles.embedded_queues(agl_roles.current_role())
     celery_app.finalize()
     celery_app.set_current()
     state = EmbeddedWorkers()

@@ -38,6 +38,7 @@ class RolloutInfo:
     resources_version: int | None = None
     config: Mapping[str, Any] = field(default_factory=dict)
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    sequence_id: int = 1  # the attempt's number
     # Set when the rollout is cancelled: long agents may check it and stop early.
     cancelled: threading.Event = field(default_factory=threading.Event, compare=False)
 

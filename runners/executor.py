@@ -20,6 +20,7 @@ from typing import Any
 from django.db import connections
 
 from runners.agent import Agent, RolloutInfo, call_agent, load_agent
+from runners.agl_compat import call_agl_agent, is_agl_agent
 from runners.gateway import Claim, StoreGateway
 from runners.tracing import AGL_ROLLOUT, attempt_tracing, emit_reward, tracer
 
@@ -59,7 +60,7 @@ def execute(
     info = RolloutInfo(
         rollout_id=claim.rollout_id, attempt_id=claim.attempt_id, mode=claim.mode,
         resources_id=claim.resources_id, resources_version=claim.resources_version,
-        config=claim.config, metadata=claim.metadata,
+        config=claim.config, metadata=claim.metadata, sequence_id=claim.sequence_id,
     )
     guard = _CancelGuard(info)
     watcher = _Watcher(gateway, claim, worker_id, options.heartbeat_seconds, guard)
@@ -100,7 +101,8 @@ def _run(gateway: StoreGateway, claim: Claim, agent: Agent | str, info: RolloutI
                                          "agentlightning.attempt_id": claim.attempt_id},
             ):
                 guard.enter()
-                reward = call_agent(fn, task=claim.input, resources=resources, rollout=info)
+                run = call_agl_agent if is_agl_agent(fn) else call_agent
+                reward = run(fn, task=claim.input, resources=resources, rollout=info)
                 guard.leave()
                 if reward is not None:
                     emit_reward(reward)

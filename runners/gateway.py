@@ -31,6 +31,7 @@ class Claim:
     metadata: dict[str, Any] = field(default_factory=dict)
     # The agent's dotted path when the rollout was dispatched with one (Celery execution).
     agent: str | None = None
+    sequence_id: int = 1  # the attempt's number (AGL agents see it in their Rollout)
 
 
 class StoreGateway(Protocol):

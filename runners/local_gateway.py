@@ -85,4 +85,5 @@ def _claim(rollout: Rollout, attempt: Attempt) -> Claim:
         config=dict(rollout.config or {}),
         metadata=dict(rollout.metadata or {}),
         agent=rollout.dispatch_target,
+        sequence_id=attempt.sequence_id,
     )

@@ -26,6 +26,7 @@ def claim_from_json(data: dict[str, Any]) -> Claim:
         resources_version=data.get("resources_version"),
         config=dict(data.get("config") or {}),
         metadata=dict(data.get("metadata") or {}),
+        sequence_id=data["attempt"].get("sequence_id") or 1,
     )
 
 

@@ -154,6 +154,23 @@ def attempt_tracing(
         _router.remove(scope)
 
 
+def collect_returned(span: ReadableSpan) -> None:
+    """A finished span an agent returned (AGL agents may): stored with the current attempt.
+    One the attempt already collected is dropped by the store (same span id)."""
+    scope = _current.get()
+    if scope is not None:
+        scope.collect(span)
+
+
+def add_returned_dict(span: dict[str, Any]) -> None:
+    """An AGL span (as a dict) an agent returned, stored with the current attempt."""
+    scope = _current.get()
+    if scope is not None:
+        with scope._lock:
+            scope.count += 1
+            scope._buffer.append(span)
+
+
 def emit_reward(value: float | Mapping[str, float], name: str = "primary", *,
                 attributes: Mapping[str, Any] | None = None) -> None:
     """A reward span (`agentlightning.annotation` with `agentlightning.reward.N.name/value`).

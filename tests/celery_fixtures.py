@@ -197,8 +197,10 @@ class CeleryProcesses:
 
     def __call__(self, *, queues: list[str], broker_url: str, concurrency: int = 2,
                  pool: str = "prefork", env: dict | None = None, name: str | None = None,
-                 include: list[str] | None = None, wait: bool = True) -> WorkerProcess:
-        """A worker serving `queues`; waits until it is ready (unless wait=False)."""
+                 include: list[str] | None = None, wait: bool = True,
+                 python: list[str] | None = None) -> WorkerProcess:
+        """A worker serving `queues`; waits until it is ready (unless wait=False). `python`:
+        the command that runs Python (default: this interpreter)."""
         name = name or f"w{len(self.started)}-{'-'.join(queues)}"
         args = [
             "worker", "-Q", ",".join(queues), "-c", str(concurrency), "-P", pool,
@@ -206,7 +208,7 @@ class CeleryProcesses:
         ]
         if include:
             args += ["-I", ",".join(include)]
-        worker = self._start(name, queues, args, broker_url, env)
+        worker = self._start(name, queues, args, broker_url, env, python)
         if wait:
             wait_ready(worker, " ready.")
         return worker
@@ -218,9 +220,9 @@ class CeleryProcesses:
         return beat
 
     def _start(self, name: str, queues: list[str], args: list[str], broker_url: str,
-               env: dict | None) -> WorkerProcess:
+               env: dict | None, python: list[str] | None = None) -> WorkerProcess:
         log_path = self.logs / f"{name}.log"
-        cmd = [sys.executable, "-m", "celery", "-A", "lightning_site", *args]
+        cmd = [*(python or [sys.executable]), "-m", "celery", "-A", "lightning_site", *args]
         full_env = {**os.environ, **self.env, "CELERY_BROKER_URL": broker_url, **(env or {})}
         with open(log_path, "wb") as log:
             process = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=log,

@@ -33,15 +33,17 @@ def agl_python() -> Path:
     return AGL_PYTHON
 
 
+# LiteLLM would download its price list at import; AgentOps would call its cloud.
+AGL_ENV = {
+    "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+    "AGENTOPS_API_ENDPOINT": "http://127.0.0.1:9",
+    "AGENTOPS_EXPORTER_ENDPOINT": "http://127.0.0.1:9",
+    "AGENTOPS_APP_URL": "http://127.0.0.1:9",
+}
+
+
 def agl_env() -> dict[str, str]:
-    return {
-        **os.environ,
-        # LiteLLM would download its price list at import; AgentOps would call its cloud.
-        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-        "AGENTOPS_API_ENDPOINT": "http://127.0.0.1:9",
-        "AGENTOPS_EXPORTER_ENDPOINT": "http://127.0.0.1:9",
-        "AGENTOPS_APP_URL": "http://127.0.0.1:9",
-    }
+    return {**os.environ, **AGL_ENV}
 
 
 def run_agl(python: Path, script: str, *args: str, timeout: int = 300) -> str:

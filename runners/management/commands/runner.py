@@ -10,6 +10,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from lightning_site import agl_roles
 from lightning_site.console import quiet_libraries
 from runners.client import ApiError, StoreClient
 from runners.remote_runner import RemoteRunner, RunnerOptions, default_server
@@ -43,6 +44,8 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **opts: Any) -> None:
         quiet_libraries(opts["verbosity"])
+        if not agl_roles.runs_rollouts(agl_roles.current_role()):
+            raise CommandError("AGL_CURRENT_ROLE=algorithm: this process runs no rollouts")
         key = opts["key"] or _env_key()
         if not opts["server"]:
             raise CommandError("--server is required (or set AGL_SERVER_HOST)")
