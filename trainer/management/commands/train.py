@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import json
 import time
+from collections.abc import Mapping
 from typing import Any, TextIO
 
 from django.conf import settings
@@ -42,8 +43,10 @@ def project_named(name: str) -> Project:
 
 
 def run_followed(job_id: int, *, start: bool, reclaim: bool = False, quiet: bool = False,
-                 out: TextIO | None = None) -> progress.Snapshot:
-    """Start (or resume) and follow; with in-process workers on the embedded default."""
+                 out: TextIO | None = None, concurrency: Mapping[str, int] | None = None
+                 ) -> progress.Snapshot:
+    """Start (or resume) and follow; with in-process workers on the embedded default
+    (`concurrency`: threads per queue there)."""
     def go() -> progress.Snapshot:
         if start:
             services.job_start(job_id=job_id)
@@ -52,7 +55,7 @@ def run_followed(job_id: int, *, start: bool, reclaim: bool = False, quiet: bool
         return progress.follow(job_id, disable=quiet, file=out)
 
     if settings.EMBEDDED_WORKERS:
-        with embedded_workers():
+        with embedded_workers(concurrency=concurrency):
             return go()
     return go()
 
