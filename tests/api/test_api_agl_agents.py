@@ -85,6 +85,16 @@ def test_agl_litagent_gets_typed_resources_and_its_proxy_url(api_server, keys: K
     assert body == f"val http://gateway:8000/rollout/{rid}/attempt/{aid} say 5"
 
 
+def _enqueue_for_celery(project, spec: RolloutSpec, agent: str) -> Rollout:
+    """`rollouts_enqueue_for_celery` without its import check of the agent: this test process
+    has no agentlightning (an enqueuer with the `agl` extra passes that check)."""
+    rollout = store_services.rollout_enqueue(project=project, spec=spec)
+    marked = store_services.rollout_dispatch_set(
+        project=project, rollout_ids=[rollout.pk], dispatch=runner_services.CELERY, target=agent)
+    runner_services.dispatches_send(marked)
+    return rollout
+
+
 @pytest.mark.django_db(transaction=True)
 def test_agl_agents_run_on_a_celery_worker(project, broker_url, sending_to, celery_workers,
                                            agl_python):  # noqa: F811
@@ -92,12 +102,10 @@ def test_agl_agents_run_on_a_celery_worker(project, broker_url, sending_to, cele
     python = [str(agl_python), WITH_PROJECT]
     celery_workers(queues=["rollouts"], broker_url=broker_url, concurrency=1, env=AGL_ENV,
                    python=python)
-    fn = runner_services.rollouts_enqueue_for_celery(
-        project=project, specs=[RolloutSpec(input={"value": 4}, mode="train")],
-        agent="tests.agl.agents:llm_agent")[0]
-    cls = runner_services.rollouts_enqueue_for_celery(
-        project=project, specs=[RolloutSpec(input={"value": 2}, mode="test")],
-        agent="tests.agl.agents:ProxyAgent")[0]
+    fn = _enqueue_for_celery(project, RolloutSpec(input={"value": 4}, mode="train"),
+                             "tests.agl.agents:llm_agent")
+    cls = _enqueue_for_celery(project, RolloutSpec(input={"value": 2}, mode="test"),
+                              "tests.agl.agents:ProxyAgent")
 
     def finished() -> bool:
         return set(Rollout.objects.filter(project=project).values_list("status", flat=True)) \
