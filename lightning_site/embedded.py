@@ -125,3 +125,15 @@ def _stop(state: EmbeddedWorkers) -> None:
                 log.error("embedded thread %s did not stop in %ss", thread.name, STOP_TIMEOUT)
     finally:
         worker_state.should_terminate = None
+        _say_goodbye(state)
+
+
+def _say_goodbye(state: EmbeddedWorkers) -> None:
+    """Mark this process's workers stopped. The registry's bootstep does it on a worker's
+    own shutdown, which a thread-hosted worker stopped by flag does not always reach: runs
+    left rows "alive" with no process behind them."""
+    for worker in state.workers.values():
+        try:
+            runner_services.celery_worker_stop(name=worker.hostname, pid=os.getpid())
+        except Exception:  # bookkeeping: never in the way of stopping
+            log.exception("embedded worker %s: goodbye failed", worker.hostname)

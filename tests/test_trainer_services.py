@@ -269,3 +269,20 @@ def test_a_few_failed_rollouts_do_not_fail_the_step(monkeypatch):
                                   attempt_id=claimed[1].attempt_id, status="failed", error="x")
     run_rollouts(job)
     assert services.step_train(step_id=sent.train_steps.pop(), worker="w") == "done"
+
+
+def test_a_paused_job_does_not_advance_until_resumed(monkeypatch):
+    """Finding 7: an interrupted job silently advanced inside later unrelated commands."""
+    sent = capture_sends(monkeypatch)
+    job = services.job_start(job_id=make_job(steps=2).pk)
+    run_rollouts(job)
+    step_id = sent.train_steps.pop()
+    held = services.step_claim(step_id=step_id, worker="w")  # a step in flight at Ctrl+C
+    assert services.job_pause(job_id=job.pk).status == JobStatus.PAUSED
+    assert services._step_finish(held, services._train(held)) == "done"
+    assert not job.steps.filter(n=1).exists()  # a paused job plans nothing
+    assert services.steps_sweep(force=True).resent == []
+    job = services.job_resume(job_id=job.pk)
+    assert job.status == JobStatus.RUNNING and job.steps.filter(n=1).exists()
+    job = drive(job, sent)
+    assert job.status == JobStatus.SUCCEEDED

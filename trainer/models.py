@@ -12,6 +12,8 @@ from store.models import Project
 class JobStatus(models.TextChoices):
     PENDING = "pending"
     RUNNING = "running"
+    # stopped on purpose (Ctrl+C on `train`): nothing advances it until train_resume
+    PAUSED = "paused"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"

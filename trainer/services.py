@@ -408,13 +408,23 @@ def _step_give_up(step: TrainingStep, error: str) -> None:
         )
 
 
+def job_pause(*, job_id: int) -> TrainingJob:
+    """running -> paused: the sweep, the train-step task and a finishing step leave a paused
+    job alone (they act on running jobs only), so it does not advance inside later, unrelated
+    commands; `job_resume` goes on with it."""
+    TrainingJob.objects.filter(pk=job_id, status=JobStatus.RUNNING).update(
+        status=JobStatus.PAUSED
+    )
+    return TrainingJob.objects.get(pk=job_id)
+
+
 def job_cancel(*, job_id: int) -> TrainingJob:
     """pending/running -> cancelled; open steps are cancelled and the job's unfinished
     rollouts too (runners learn it on their next report)."""
     now = _now()
     with transaction.atomic():
         TrainingJob.objects.filter(
-            pk=job_id, status__in=[JobStatus.PENDING, JobStatus.RUNNING]
+            pk=job_id, status__in=[JobStatus.PENDING, JobStatus.RUNNING, JobStatus.PAUSED]
         ).update(status=JobStatus.CANCELLED, finished_at=now)
         TrainingStep.objects.filter(job_id=job_id, status__in=STEP_OPEN).update(
             status=StepStatus.CANCELLED, lease_until=None
@@ -440,6 +450,8 @@ def job_resume(*, job_id: int, reclaim: bool = False) -> TrainingJob:
         return job
     if job.status in (JobStatus.FAILED, JobStatus.CANCELLED):
         _reopen(job)
+    elif job.status == JobStatus.PAUSED:
+        _unpause(job)
     if reclaim:
         TrainingStep.objects.filter(job=job, status=StepStatus.TRAINING).update(
             lease_until=_now() - timedelta(seconds=1)
@@ -475,6 +487,19 @@ def _resend_queued_rollouts(job: TrainingJob) -> None:
     ).values_list("pk", flat=True))
     if queued:
         delivery.send_rollouts(job.project_id, queued)
+
+
+def _unpause(job: TrainingJob) -> None:
+    """paused -> running; a step that finished while paused did not plan the next one."""
+    with transaction.atomic():
+        if not TrainingJob.objects.filter(pk=job.pk, status=JobStatus.PAUSED).update(
+            status=JobStatus.RUNNING
+        ):
+            raise JobError(f"job {job.pk} changed while resuming; try again")
+        job.refresh_from_db()
+        step = job.steps.order_by("-n").first()
+        if step is not None and step.status == StepStatus.DONE:
+            _advance(job, step, step.produced_version, _now())
 
 
 def _reopen(job: TrainingJob) -> None:

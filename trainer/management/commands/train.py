@@ -24,7 +24,7 @@ from store import services as store_services
 from store.errors import InvalidInput
 from store.models import Project
 from trainer import progress, services
-from trainer.models import TrainingJob
+from trainer.models import JobStatus, TrainingJob
 
 
 def load_spec(target: str) -> Any:
@@ -52,12 +52,35 @@ def run_followed(job_id: int, *, start: bool, reclaim: bool = False, quiet: bool
             services.job_start(job_id=job_id)
         else:
             services.job_resume(job_id=job_id, reclaim=reclaim)
-        return progress.follow(job_id, disable=quiet, file=out)
+        try:
+            return progress.follow(job_id, disable=quiet, file=out)
+        except KeyboardInterrupt:
+            # Paused before the embedded workers stop, so nothing plans its next step.
+            services.job_pause(job_id=job_id)
+            raise
 
     if settings.EMBEDDED_WORKERS:
         with embedded_workers(concurrency=concurrency):
             return go()
     return go()
+
+
+def leftover_notice(job_id: int) -> str | None:
+    """Jobs other than ours that an earlier command left running (killed without a chance
+    to pause them): this process's workers would advance them too, so say so."""
+    others = list(TrainingJob.objects.filter(status=JobStatus.RUNNING).exclude(pk=job_id)
+                  .order_by("pk").values_list("pk", flat=True))
+    if not others:
+        return None
+    ids = ", ".join(str(pk) for pk in others)
+    return (f"note: job(s) {ids} were left running by an earlier command and will advance "
+            f"here too; `manage.py train_cancel N` stops one for good")
+
+
+def interrupted(job_id: int) -> CommandError:
+    """What Ctrl+C ends a following command with: the job is paused, and how to go on."""
+    return CommandError(f"job {job_id} paused; go on with `manage.py train_resume {job_id}`",
+                        returncode=130)
 
 
 def summary(snap: progress.Snapshot, seconds: float, threshold: float | None) -> str:
@@ -121,9 +144,15 @@ class Command(BaseCommand):
             services.job_start(job_id=job.pk)
             self.stdout.write(f"submitted; follow it with `manage.py train_show {job.pk} --follow`")
             return
+        notice = leftover_notice(job.pk) if settings.EMBEDDED_WORKERS else None
+        if notice:
+            self.stdout.write(notice)
         started = time.monotonic()
-        snap = run_followed(job.pk, start=True, quiet=opts["quiet"],
-                            out=progress_stream(self.stdout))
+        try:
+            snap = run_followed(job.pk, start=True, quiet=opts["quiet"],
+                                out=progress_stream(self.stdout))
+        except KeyboardInterrupt:
+            raise interrupted(job.pk) from None
         self.stdout.write(summary(snap, time.monotonic() - started, config.get("threshold")))
         if snap.job.status != "succeeded":
             raise CommandError(f"job {job.pk} {snap.job.status}")

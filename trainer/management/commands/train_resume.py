@@ -6,11 +6,17 @@ from __future__ import annotations
 import time
 
 from django.conf import settings
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 
 from lightning_site.console import progress_stream, quiet_libraries
 from trainer import services
-from trainer.management.commands.train import job_or_error, run_followed, summary
+from trainer.management.commands.train import (
+    interrupted,
+    job_or_error,
+    leftover_notice,
+    run_followed,
+    summary,
+)
 
 
 class Command(BaseCommand):
@@ -34,8 +40,16 @@ class Command(BaseCommand):
             job = services.job_resume(job_id=job.pk, reclaim=reclaim)
             self.stdout.write(f"job {job.pk}: {job.status}")
             return
+        notice = leftover_notice(job.pk) if settings.EMBEDDED_WORKERS else None
+        if notice:
+            self.stdout.write(notice)
         started = time.monotonic()
-        snap = run_followed(job.pk, start=False, reclaim=reclaim, quiet=opts["quiet"],
-                            out=progress_stream(self.stdout))
+        try:
+            snap = run_followed(job.pk, start=False, reclaim=reclaim, quiet=opts["quiet"],
+                                out=progress_stream(self.stdout))
+        except KeyboardInterrupt:
+            raise interrupted(job.pk) from None
         self.stdout.write(summary(snap, time.monotonic() - started,
                                   snap.job.config.get("threshold")))
+        if snap.job.status != "succeeded":
+            raise CommandError(f"job {job.pk} {snap.job.status}")
