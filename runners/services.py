@@ -16,7 +16,8 @@ from django.db import transaction
 from django.utils import timezone
 
 from lightning_site import control
-from lightning_site.celery import app as celery_app
+from lightning_site.processes import process_alive
+from lightning_site.publish import Message, publish
 from lightning_site.queues import Queue
 from runners.agent import AgentError, load_agent
 from runners.executor import FAILED, ExecutorOptions, Outcome, execute
@@ -24,9 +25,10 @@ from runners.local_gateway import LocalGateway
 from runners.models import CeleryWorker
 from store import services as store_services
 from store import watchdog
-from store.errors import InvalidInput
+from store.errors import IllegalTransition, InvalidInput
 from store.models import Project, Rollout
 from store.services import Dispatch, RolloutSpec
+from store.statemachine import ATTEMPT_LIVE, AttemptStatus
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,8 @@ def rollout_run(*, project_id: int, rollout_id: str, worker_id: str) -> str:
         return NOT_QUEUED
     gateway = LocalGateway(project)
     claim = gateway.claim_rollout(rollout_id=rollout_id, worker_id=worker_id)
+    if claim is None and _take_over_from_dead(project, rollout_id, worker_id):
+        claim = gateway.claim_rollout(rollout_id=rollout_id, worker_id=worker_id)
     if claim is None:
         return NOT_QUEUED
     if not claim.agent:
@@ -80,6 +84,31 @@ def _last_line(error: str | None) -> str:
     """The exception line of a traceback: what Flower shows as the task's result."""
     lines = [line for line in (error or "").splitlines() if line.strip()]
     return lines[-1] if lines else "failed"
+
+
+def _take_over_from_dead(project: Project, rollout_id: str, worker_id: str) -> bool:
+    """A redelivered message (its worker process was killed: WorkerLostError) finds the rollout
+    held by the dead process's attempt. When that process ran on this worker node and is gone,
+    its attempt is marked unresponsive now, as the watchdog would after its limit, so the
+    rollout retries (or fails) within seconds. True when the rollout may be claimable now."""
+    rollout = Rollout.objects.filter(pk=rollout_id, project=project).select_related(
+        "latest_attempt").first()
+    attempt = rollout.latest_attempt if rollout else None
+    if attempt is None or attempt.status not in ATTEMPT_LIVE or not attempt.worker_id:
+        return False
+    node, _, pid = attempt.worker_id.rpartition(":")
+    here, _, my_pid = worker_id.rpartition(":")
+    if node != here or not pid.isdigit() or pid == my_pid or process_alive(int(pid)):
+        return False
+    log.warning("rollout %s: its attempt %s belonged to %s, which is gone; taking over",
+                rollout_id, attempt.attempt_id, attempt.worker_id)
+    try:
+        store_services.attempt_update(project=project, rollout_id=rollout_id,
+                                      attempt_id=attempt.attempt_id,
+                                      status=AttemptStatus.UNRESPONSIVE)
+    except IllegalTransition:
+        return False  # it reported in the meantime
+    return True
 
 
 def rollouts_enqueue_for_celery(
@@ -116,18 +145,19 @@ def rollouts_redispatch(*, resend_after_seconds: float, limit: int = 500) -> int
 
 
 def dispatches_send(dispatches: Sequence[Dispatch]) -> None:
-    """Publish one rollout task per dispatch, over one broker connection."""
+    """Publish one rollout task per dispatch (lightning_site.publish); those the broker did not
+    take are marked unpublished, for the next reconcile."""
     ours = [d for d in dispatches if d.dispatch == CELERY]
-    if not ours:
-        return
-    with celery_app.producer_or_acquire() as producer:
-        for d in ours:
-            celery_app.send_task(
-                RUN_ROLLOUT_TASK,
-                kwargs={"project_id": d.project_id, "rollout_id": d.rollout_id},
-                queue=Queue.ROLLOUTS.value,
-                producer=producer,
-            )
+    messages = [
+        Message(RUN_ROLLOUT_TASK, {"project_id": d.project_id, "rollout_id": d.rollout_id},
+                Queue.ROLLOUTS.value)
+        for d in ours
+    ]
+    unsent = publish(messages)
+    if unsent:
+        store_services.rollout_dispatch_unpublished(
+            rollout_ids=[m.kwargs["rollout_id"] for m in unsent]
+        )
 
 
 def _with_default_unresponsive(spec: RolloutSpec) -> RolloutSpec:

@@ -164,3 +164,30 @@ def test_the_in_process_gateway_finishes_through_a_lost_database_connection(proj
     gateway.finish(rollout_id=claim.rollout_id, attempt_id=claim.attempt_id, status="succeeded")
     rollout = selectors.rollout_get(project=project, rollout_id=claim.rollout_id)
     assert rollout.status == "succeeded" and rollout.latest_attempt.status == "succeeded"
+
+
+def test_a_redelivered_message_takes_over_from_a_dead_process_on_the_same_node(project):
+    """Fast takeover: after kill -9 of a worker's child, Celery redelivered the message, but
+    the redelivery returned 'not-queued' (the dead child's attempt held the rollout) and the
+    rollout waited for the watchdog's unresponsive limit."""
+    import os
+    import subprocess
+
+    rollout = services.rollout_enqueue(project=project, spec=RolloutSpec(input={"i": 2}, config={
+        "unresponsive_seconds": 120, "max_attempts": 2, "retry_condition": ["unresponsive"]}))
+    services.rollout_dispatch_set(project=project, rollout_ids=[rollout.pk], dispatch="celery",
+                                  target="tests.celery_agents:ok_agent")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    services.rollout_claim(project=project, rollout_id=rollout.pk,
+                           worker_id=f"celery:rollouts@node1:{dead.pid}")
+    here = f"celery:rollouts@node1:{os.getpid()}"
+    # A holder on another node (its pid means nothing here) is left to the watchdog.
+    assert runner_services.rollout_run(project_id=project.pk, rollout_id=rollout.pk,
+                                       worker_id="celery:rollouts@node2:1") == "not-queued"
+    assert runner_services.rollout_run(project_id=project.pk, rollout_id=rollout.pk,
+                                       worker_id=here) == "succeeded"
+    rollout = selectors.rollout_get(project=project, rollout_id=rollout.pk)
+    assert rollout.status == "succeeded" and rollout.attempt_count == 2
+    first = rollout.attempts.get(sequence_id=1)
+    assert first.status == "unresponsive"

@@ -1,11 +1,15 @@
 """Sending Celery messages for the trainer. A message is only a wake-up call: every receiver
 re-reads its rows and claims with a compare-and-swap, so sending twice is harmless. Callers
-send after the transaction that justifies the message commits."""
+send after the transaction that justifies the message commits, through the one publisher
+(lightning_site.publish); what the broker did not take is marked on its rows as unsent, so the
+next reconcile sends it again at once."""
 
 from __future__ import annotations
 
-from lightning_site.celery import app
+from lightning_site.publish import Message, publish
 from lightning_site.queues import Queue
+from store import services as store_services
+from trainer.models import TrainingStep
 
 TRAIN_STEP_TASK = "trainer.train_step"
 # The runners app's rollout task and dispatch name (runners.services.RUN_ROLLOUT_TASK, CELERY).
@@ -16,14 +20,19 @@ CELERY_DISPATCH = "celery"
 
 
 def send_train_step(step_id: int) -> None:
-    app.send_task(TRAIN_STEP_TASK, kwargs={"step_id": step_id}, queue=Queue.TRAINING.value)
+    if publish([Message(TRAIN_STEP_TASK, {"step_id": step_id}, Queue.TRAINING.value)]):
+        # Never sent: the trainer sweep sends a step with no `sent_at` at once.
+        TrainingStep.objects.filter(pk=step_id).update(sent_at=None)
 
 
 def send_rollouts(project_id: int, rollout_ids: list[str]) -> None:
     """One rollout task per rollout, over one broker connection."""
-    if not rollout_ids:
-        return
-    with app.producer_or_acquire() as producer:
-        for rollout_id in rollout_ids:
-            app.send_task(ROLLOUT_TASK, kwargs={"project_id": project_id, "rollout_id": rollout_id},
-                          queue=Queue.ROLLOUTS.value, producer=producer)
+    unsent = publish([
+        Message(ROLLOUT_TASK, {"project_id": project_id, "rollout_id": rollout_id},
+                Queue.ROLLOUTS.value)
+        for rollout_id in rollout_ids
+    ])
+    if unsent:
+        store_services.rollout_dispatch_unpublished(
+            rollout_ids=[m.kwargs["rollout_id"] for m in unsent]
+        )

@@ -6,7 +6,12 @@ from store.services.attempts import (
     attempt_update,
     attempt_update_many,
 )
-from store.services.dispatch import Dispatch, rollout_dispatch_due, rollout_dispatch_set
+from store.services.dispatch import (
+    Dispatch,
+    rollout_dispatch_due,
+    rollout_dispatch_set,
+    rollout_dispatch_unpublished,
+)
 from store.services.projects import (
     api_key_authenticate,
     api_key_create,
@@ -59,6 +64,7 @@ __all__ = [
     "rollout_dequeue",
     "rollout_dispatch_due",
     "rollout_dispatch_set",
+    "rollout_dispatch_unpublished",
     "rollout_dequeue_many",
     "rollout_enqueue",
     "rollout_enqueue_many",

@@ -57,12 +57,21 @@ def rollout_dispatch_set(
     return [Dispatch(project.pk, rid, dispatch, target) for rid in ids]
 
 
+def rollout_dispatch_unpublished(*, rollout_ids: Sequence[str]) -> int:
+    """The messages of these rollouts could not be published (the broker was down): the next
+    `rollout_dispatch_due` returns them at once, not after the re-send age."""
+    return Rollout.objects.filter(pk__in=list(rollout_ids), status__in=QUEUED).update(
+        dispatched_at=None
+    )
+
+
 def rollout_dispatch_due(
     *, resend_after_seconds: float, limit: int, now: datetime | None = None
 ) -> list[Dispatch]:
-    """Queued message-delivered rollouts whose message may be lost: requeued since their last
-    send (a retry), or sent more than `resend_after_seconds` ago and still waiting. Marks them
-    sent now (compare-and-swap under SKIP LOCKED), so concurrent sweeps send each once."""
+    """Queued message-delivered rollouts whose message may be lost: never published (the
+    broker was down), requeued since their last send (a retry), or sent more than
+    `resend_after_seconds` ago and still waiting. Marks them sent now (compare-and-swap under
+    SKIP LOCKED), so concurrent sweeps send each once."""
     if limit < 1:
         raise InvalidInput("limit", "must be >= 1")
     now = now or timezone.now()
@@ -72,8 +81,9 @@ def rollout_dispatch_due(
         rows = list(
             Rollout.objects.select_for_update(skip_locked=True)
             .filter(status__in=QUEUED, dispatch__isnull=False)
-            .filter(Q(dispatched_at__lte=cutoff) | Q(enqueue_time__gt=F("dispatched_at")))
-            .order_by("dispatched_at")
+            .filter(Q(dispatched_at__isnull=True) | Q(dispatched_at__lte=cutoff)
+                    | Q(enqueue_time__gt=F("dispatched_at")))
+            .order_by(F("dispatched_at").asc(nulls_first=True))
             .values_list("pk", "project_id", "dispatch", "dispatch_target")[:limit]
         )
         Rollout.objects.filter(pk__in=[r[0] for r in rows]).update(
