@@ -55,8 +55,20 @@ def execute(
     *, gateway: StoreGateway, claim: Claim, agent: Agent | str, worker_id: str,
     options: ExecutorOptions | None = None,
 ) -> Outcome:
-    """Run one claimed attempt to its end and report it to the store."""
-    options = options or ExecutorOptions()
+    """Run one claimed attempt to its end and report it to the store. Whatever escapes before
+    the report (Celery's soft time limit lands wherever the task happens to be: setting up
+    tracing, shipping spans, even the report itself) is reported as the attempt's failure
+    and raised again: a claimed attempt never stays live with nobody running it."""
+    try:
+        return _execute(gateway, claim, agent, worker_id, options or ExecutorOptions())
+    except Exception as exc:
+        gateway.finish(rollout_id=claim.rollout_id, attempt_id=claim.attempt_id,
+                       status=FAILED, error=_describe(exc))
+        raise
+
+
+def _execute(gateway: StoreGateway, claim: Claim, agent: Agent | str, worker_id: str,
+             options: ExecutorOptions) -> Outcome:
     info = RolloutInfo(
         rollout_id=claim.rollout_id, attempt_id=claim.attempt_id, mode=claim.mode,
         resources_id=claim.resources_id, resources_version=claim.resources_version,

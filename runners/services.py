@@ -63,9 +63,15 @@ def rollout_run(*, project_id: int, rollout_id: str, worker_id: str) -> str:
     if project is None:  # deleted since the message was sent
         return NOT_QUEUED
     gateway = LocalGateway(project)
-    claim = gateway.claim_rollout(rollout_id=rollout_id, worker_id=worker_id)
-    if claim is None and _take_over_from_dead(project, rollout_id, worker_id):
+    try:
         claim = gateway.claim_rollout(rollout_id=rollout_id, worker_id=worker_id)
+        if claim is None and _take_over_from_dead(project, rollout_id, worker_id):
+            claim = gateway.claim_rollout(rollout_id=rollout_id, worker_id=worker_id)
+    except Exception:
+        # Nothing was claimed (the claim is one transaction) and this message is spent (a
+        # soft time limit, a database that stayed down): the next reconcile sends another.
+        _owe_message(rollout_id)
+        raise
     if claim is None:
         return NOT_QUEUED
     if not claim.agent:
@@ -84,6 +90,13 @@ def _last_line(error: str | None) -> str:
     """The exception line of a traceback: what Flower shows as the task's result."""
     lines = [line for line in (error or "").splitlines() if line.strip()]
     return lines[-1] if lines else "failed"
+
+
+def _owe_message(rollout_id: str) -> None:
+    try:
+        store_services.rollout_dispatch_unpublished(rollout_ids=[rollout_id])
+    except Exception:  # the database is down: the age-based re-send still finds it
+        log.exception("rollout %s: could not mark its message unsent", rollout_id)
 
 
 def _take_over_from_dead(project: Project, rollout_id: str, worker_id: str) -> bool:

@@ -191,3 +191,38 @@ def test_a_redelivered_message_takes_over_from_a_dead_process_on_the_same_node(p
     assert rollout.status == "succeeded" and rollout.attempt_count == 2
     first = rollout.attempts.get(sequence_id=1)
     assert first.status == "unresponsive"
+
+
+def test_whatever_escapes_the_executor_is_reported_as_the_attempts_failure(project,
+                                                                            monkeypatch):
+    """Celery's soft time limit lands wherever the task is, not only inside the agent: seen
+    landing before the agent ran, it left the attempt live with nobody running it (the test
+    of the soft limit was flaky under load)."""
+    def interrupted(*args, **kwargs):
+        raise RuntimeError("interrupted outside the agent")
+
+    monkeypatch.setattr(executor, "attempt_tracing", interrupted)
+    services.rollout_enqueue(project=project, spec=RolloutSpec(input={"i": 1}))
+    gateway = LocalGateway(project)
+    claim = gateway.claim(worker_id="w-test")[0]
+    with pytest.raises(RuntimeError):
+        executor.execute(gateway=gateway, claim=claim, agent="tests.celery_agents:ok_agent",
+                         worker_id="w-test", options=FAST)
+    rollout = selectors.rollout_get(project=project, rollout_id=claim.rollout_id)
+    assert rollout.status == "failed"
+    assert "interrupted outside the agent" in rollout.latest_attempt.metadata["error"]
+
+
+def test_a_task_interrupted_before_its_claim_owes_the_rollout_a_message(project, monkeypatch):
+    rollout = services.rollout_enqueue(project=project, spec=RolloutSpec(input={"i": 1}))
+    services.rollout_dispatch_set(project=project, rollout_ids=[rollout.pk], dispatch="celery",
+                                  target="tests.celery_agents:ok_agent")
+
+    def interrupted(*args, **kwargs):
+        raise RuntimeError("soft time limit")
+
+    monkeypatch.setattr(LocalGateway, "claim_rollout", interrupted)
+    with pytest.raises(RuntimeError):
+        runner_services.rollout_run(project_id=project.pk, rollout_id=rollout.pk, worker_id="w")
+    due = services.rollout_dispatch_due(resend_after_seconds=300, limit=5)
+    assert [d.rollout_id for d in due] == [rollout.pk]
