@@ -137,3 +137,23 @@ def _say_goodbye(state: EmbeddedWorkers) -> None:
             runner_services.celery_worker_stop(name=worker.hostname, pid=os.getpid())
         except Exception:  # bookkeeping: never in the way of stopping
             log.exception("embedded worker %s: goodbye failed", worker.hostname)
+
+
+@contextmanager
+def embedded_gateway() -> Iterator[str]:
+    """The model gateway (trainer/llm) on LLM_GATEWAY_HOST:LLM_GATEWAY_PORT in a thread of
+    this process while the block runs; yields its base URL."""
+    from trainer.llm.server import ServerThread, build_gateway
+
+    gateway = build_gateway()
+    try:
+        server = ServerThread(gateway.app(), host=settings.LLM_GATEWAY_HOST,
+                              port=settings.LLM_GATEWAY_PORT).start()
+    except RuntimeError:
+        raise RuntimeError(
+            f"the model gateway could not listen on {settings.LLM_GATEWAY_HOST}:"
+            f"{settings.LLM_GATEWAY_PORT} (in use?); set LLM_GATEWAY_PORT") from None
+    try:
+        yield f"http://{settings.LLM_GATEWAY_HOST}:{server.port}/v1"
+    finally:
+        server.stop()

@@ -231,6 +231,9 @@ RUNNERS_DEFAULT_UNRESPONSIVE_SECONDS = env_float(
 RUNNERS_REDISPATCH_SECONDS = env_float("RUNNERS_REDISPATCH_SECONDS", 300.0, minimum=0.0)
 # Rollout tasks run at once by the embedded default's in-process worker (threads).
 EMBEDDED_ROLLOUT_CONCURRENCY = env_int("EMBEDDED_ROLLOUT_CONCURRENCY", 4, minimum=1)
+# ... for jobs whose agents call the model gateway (grpo_lm): they mostly wait on it, and the
+# more calls arrive together, the larger the gateway's batches.
+EMBEDDED_LLM_ROLLOUT_CONCURRENCY = env_int("EMBEDDED_LLM_ROLLOUT_CONCURRENCY", 16, minimum=1)
 
 # --- The worker registry and the periodic control work ----------------------------------------
 # Celery workers heartbeat this often; silent for WORKERS_LOST_AFTER_SECONDS, they are "lost".

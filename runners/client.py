@@ -58,6 +58,7 @@ class StoreClient:
     ) -> None:
         self.server = server.rstrip("/")
         self.retry = RetryPolicy(retries=retries, backoff=backoff, backoff_max=backoff_max)
+        self.key = key  # also what agents' LLM calls use (runners/llm.py)
         self.span_batch = span_batch
         self._http = httpx.Client(
             base_url=self.server + "/v1/agl",

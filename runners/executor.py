@@ -22,6 +22,7 @@ from django.db import connections
 from runners.agent import Agent, RolloutInfo, call_agent, load_agent
 from runners.agl_compat import call_agl_agent, is_agl_agent
 from runners.gateway import Claim, StoreGateway
+from runners.llm import route_llm_resources
 from runners.tracing import AGL_ROLLOUT, attempt_tracing, emit_reward, tracer
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,11 @@ def _run(gateway: StoreGateway, claim: Claim, agent: Agent | str, info: RolloutI
                 gateway.resources(resources_id=claim.resources_id,
                                   version=claim.resources_version)
                 if claim.resources_id else {}
+            )
+            resources = route_llm_resources(
+                resources, rollout_id=claim.rollout_id, attempt_id=claim.attempt_id,
+                api_key=gateway.llm_api_key(rollout_id=claim.rollout_id,
+                                            attempt_id=claim.attempt_id),
             )
             fn = load_agent(agent) if isinstance(agent, str) else agent
             with tracer().start_as_current_span(

@@ -52,6 +52,9 @@ class StoreGateway(Protocol):
         """Mark the attempt alive (and running); True when the runner must stop: its rollout
         was cancelled, or the store already ended the attempt (e.g. timed out)."""
 
+    def llm_api_key(self, *, rollout_id: str, attempt_id: str) -> str | None:
+        """The key an agent's LLM calls through the model gateway use (runners/llm.py)."""
+
     def finish(
         self, *, rollout_id: str, attempt_id: str, status: str, error: str | None = None
     ) -> None:

@@ -14,6 +14,7 @@ from runners.retry import DEFAULT, RetryPolicy
 from store import selectors, services
 from store.errors import IllegalTransition
 from store.models import Attempt, Project, Rollout
+from store.tokens import attempt_token
 from store.statemachine import AttemptStatus, RolloutStatus
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,11 @@ class LocalGateway:
             return True
         # The rollout as the update's transaction locked it: no second query.
         return attempt.rollout.status == RolloutStatus.CANCELLED
+
+    def llm_api_key(self, *, rollout_id: str, attempt_id: str) -> str:
+        # No project key here: a token good for this attempt's own calls only.
+        return attempt_token(project_id=self.project.pk, rollout_id=rollout_id,
+                             attempt_id=attempt_id)
 
     def finish(
         self, *, rollout_id: str, attempt_id: str, status: str, error: str | None = None

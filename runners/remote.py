@@ -51,6 +51,9 @@ class HttpGateway:
     def add_spans(self, *, spans: list[dict[str, Any]]) -> set[str]:
         return self.client.add_spans(spans)
 
+    def llm_api_key(self, *, rollout_id: str, attempt_id: str) -> str:
+        return self.client.key  # the runner's project key
+
     def heartbeat(self, *, rollout_id: str, attempt_id: str, worker_id: str) -> bool:
         try:
             _, cancelled = self.client.update_attempt(

@@ -109,9 +109,8 @@ def job_start(*, job_id: int) -> TrainingJob:
     algorithm = algorithm_load(job.algorithm, job_config(job))
     # The file is written before the transaction (no file work inside one); a start that
     # loses the race below leaves a content-addressed file the winner also wrote.
-    resource = checkpoints.checkpoint_save(
-        payload=algorithm.init_state(), name_prefix=f"jobs/{job.pk}", step=0
-    )
+    resource = algorithm.save(algorithm.init_state(), name_prefix=f"jobs/{job.pk}", step=0)
+    published = algorithm.published_resources(resource, job_id=job.pk)
     now = _now()
     with transaction.atomic():
         if not TrainingJob.objects.filter(pk=job.pk, status=JobStatus.PENDING).update(
@@ -120,7 +119,7 @@ def job_start(*, job_id: int) -> TrainingJob:
             return TrainingJob.objects.get(pk=job.pk)
         job.refresh_from_db()
         version = store_services.resources_add(
-            project=job.project, resources={"checkpoint": resource}
+            project=job.project, resources={"checkpoint": resource, **published}
         )
         job.resources_id = version.resource_set.resources_id
         TrainingJob.objects.filter(pk=job.pk).update(resources_id=job.resources_id)
@@ -233,6 +232,7 @@ class TrainResult:
     metrics: dict[str, Any] = field(default_factory=dict)
     device: str = "cpu"
     seconds: float = 0.0
+    published: dict[str, Any] = field(default_factory=dict)  # beside the checkpoint
 
 
 def train_device() -> str:
@@ -285,21 +285,20 @@ def _train(step: TrainingStep) -> TrainResult:
     rollouts = selectors.step_finished_rollouts(step=step)
     metrics = algorithm.report(rollouts)
     device = train_device()
-    resource = None
+    resource, published = None, {}
     if algorithm.trains and step.n < config["steps"]:
         version = store_selectors.resources_get(
             project=job.project, resources_id=job.resources_id, version=step.resources_version
         )
-        state = checkpoints.checkpoint_load(checkpoints.find_checkpoint(version.resources))
+        state = algorithm.load(checkpoints.find_checkpoint(version.resources))
         update = algorithm.update(step=step.n, state=state,
                                   samples=algorithm.samples(rollouts), device=device)
         metrics.update(update.metrics)
         if update.state is not None:
-            resource = checkpoints.checkpoint_save(
-                payload=update.state, name_prefix=f"jobs/{job.pk}", step=step.n + 1,
-                metrics=metrics,
-            )
-    return TrainResult(resource, metrics, device, time.perf_counter() - started)
+            resource = algorithm.save(update.state, name_prefix=f"jobs/{job.pk}",
+                                      step=step.n + 1, metrics=metrics)
+            published = algorithm.published_resources(resource, job_id=job.pk)
+    return TrainResult(resource, metrics, device, time.perf_counter() - started, published)
 
 
 def _step_finish(step: TrainingStep, result: TrainResult) -> str:
@@ -318,7 +317,7 @@ def _step_finish(step: TrainingStep, result: TrainResult) -> str:
         if result.checkpoint is not None:
             produced = store_services.resources_update(
                 project=job.project, resources_id=job.resources_id,
-                resources={"checkpoint": result.checkpoint},
+                resources={"checkpoint": result.checkpoint, **result.published},
             ).version
         TrainingStep.objects.filter(pk=step.pk).update(produced_version=produced)
         _track_best(job, step, result.metrics)

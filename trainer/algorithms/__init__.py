@@ -24,12 +24,16 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def algorithm_load(name: str, config: dict[str, Any]) -> Algorithm:
-    """A built-in by name (`grpo`, `baseline`) or any Algorithm subclass by dotted path."""
+def algorithm_class(name: str) -> type[Algorithm]:
+    """A built-in by name (`grpo`, `grpo_lm`, `baseline`) or an Algorithm subclass by path."""
     cls = import_string(BUILTINS.get(name, name))
     if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
         raise ValueError(f"{name!r} is not an Algorithm")
-    return cls(config)
+    return cls
+
+
+def algorithm_load(name: str, config: dict[str, Any]) -> Algorithm:
+    return algorithm_class(name)(config)
 
 
 __all__ = [
@@ -42,6 +46,7 @@ __all__ = [
     "Sample",
     "TripletAdapter",
     "Update",
+    "algorithm_class",
     "algorithm_load",
     "step_seed",
 ]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from statistics import fmean
 from typing import Any
 
+from trainer import checkpoints
 from trainer.algorithms.adapter import FinishedRollout, Sample, TripletAdapter
 
 
@@ -46,6 +47,9 @@ class Algorithm(ABC):
 
     #: True when `update` changes the model (False: evaluation only).
     trains: bool = True
+    #: True when the job's rollouts call the model through the model gateway (grpo_lm): the
+    #: embedded default then runs the gateway in its process.
+    serves_llm: bool = False
 
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = config
@@ -70,6 +74,21 @@ class Algorithm(ABC):
         self, *, step: int, state: dict[str, Any], samples: list[Sample], device: str
     ) -> Update:
         """Train on `samples` starting from checkpoint payload `state`, on `device`."""
+
+    def save(self, state: dict[str, Any], *, name_prefix: str, step: int,
+             metrics: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Store a state as a checkpoint; returns its resource (default: one torch.save file)."""
+        return checkpoints.checkpoint_save(payload=state, name_prefix=name_prefix, step=step,
+                                           metrics=metrics)
+
+    def load(self, resource: dict[str, Any]) -> dict[str, Any]:
+        """The state of a checkpoint resource `save` returned."""
+        return checkpoints.checkpoint_load(resource)
+
+    def published_resources(self, checkpoint: dict[str, Any], *, job_id: int) -> dict[str, Any]:
+        """Resources published beside each checkpoint, in the same version (an `llm` endpoint,
+        say); rollouts pin them together."""
+        return {}
 
     def samples(self, rollouts: Sequence[FinishedRollout]) -> list[Sample]:
         """Training samples from the step's finished train rollouts (through the adapter)."""

@@ -105,6 +105,9 @@ class GRPOLM(Algorithm):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from trainer.llm.server import quiet_transformers
+
+        quiet_transformers()
         torch.manual_seed(step_seed(self.seed, step))
         model = AutoModelForCausalLM.from_pretrained(state["dir"], dtype=torch.float32)
         model.to(device)

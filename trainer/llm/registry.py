@@ -98,8 +98,8 @@ class Registry:
                 self.loads += 1
                 while len(model.versions) > self.max_versions:
                     dropped = model.versions.pop(min(model.versions))
-                    log.info("model %s: version %s unloaded", name, dropped.version)
-            log.info("model %s: version %s loaded from %s", name, version, engine.path)
+                    log.debug("model %s: version %s unloaded", name, dropped.version)
+            log.debug("model %s: version %s loaded from %s", name, version, engine.path)
             return engine
 
 

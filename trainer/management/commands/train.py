@@ -8,6 +8,7 @@ process; otherwise the job is submitted to the deployment's workers and followed
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import time
@@ -19,11 +20,13 @@ from django.core.management.base import BaseCommand, CommandError
 from django.utils.module_loading import import_string
 
 from lightning_site.console import progress_stream, quiet_libraries
-from lightning_site.embedded import embedded_workers
+from lightning_site.embedded import embedded_gateway, embedded_workers
+from lightning_site.queues import Queue
 from store import services as store_services
 from store.errors import InvalidInput
 from store.models import Project
 from trainer import progress, services
+from trainer.algorithms import algorithm_class
 from trainer.models import JobStatus, TrainingJob
 
 
@@ -60,7 +63,12 @@ def run_followed(job_id: int, *, start: bool, reclaim: bool = False, quiet: bool
             raise
 
     if settings.EMBEDDED_WORKERS:
-        with embedded_workers(concurrency=concurrency):
+        with contextlib.ExitStack() as stack:
+            if _serves_llm(job_id):  # its agents call the model: the gateway runs here too
+                stack.enter_context(embedded_gateway())
+                concurrency = {Queue.ROLLOUTS: settings.EMBEDDED_LLM_ROLLOUT_CONCURRENCY,
+                               **(concurrency or {})}
+            stack.enter_context(embedded_workers(concurrency=concurrency))
             return go()
     return go()
 
@@ -81,6 +89,11 @@ def interrupted(job_id: int) -> CommandError:
     """What Ctrl+C ends a following command with: the job is paused, and how to go on."""
     return CommandError(f"job {job_id} paused; go on with `manage.py train_resume {job_id}`",
                         returncode=130)
+
+
+def _serves_llm(job_id: int) -> bool:
+    job = TrainingJob.objects.get(pk=job_id)
+    return algorithm_class(job.algorithm).serves_llm
 
 
 def summary(snap: progress.Snapshot, seconds: float, threshold: float | None) -> str:
