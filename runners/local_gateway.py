@@ -14,8 +14,8 @@ from runners.retry import DEFAULT, RetryPolicy
 from store import selectors, services
 from store.errors import IllegalTransition
 from store.models import Attempt, Project, Rollout
-from store.tokens import attempt_token
 from store.statemachine import AttemptStatus, RolloutStatus
+from store.tokens import attempt_token
 
 log = logging.getLogger(__name__)
 

@@ -50,7 +50,7 @@ def _build(path: Path) -> None:
     quiet_transformers()
     torch.manual_seed(WARM_START["seed"])
     tokenizer = char_tokenizer(ALPHABET)
-    config = GPT2Config(loss_type="ForCausalLM", vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id,
+    config = GPT2Config(vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id,
                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **ARCH)
     model = GPT2LMHeadModel(config)
