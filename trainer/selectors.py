@@ -134,3 +134,23 @@ def job_list(*, project: str | None = None, status: str | None = None, limit: in
     if status:
         jobs = jobs.filter(status=status)
     return [JobRow(job, job.steps_done) for job in jobs[:limit]]
+
+
+@dataclass(frozen=True)
+class ThresholdReached:
+    threshold: float
+    step: int  # the first step whose validation reward reached it
+    seconds: float  # from the job's start to that step's rollouts being done
+
+
+def job_threshold_reached(*, job: TrainingJob) -> ThresholdReached | None:
+    """When the job's validation reward first reached its config's `threshold`, if it did."""
+    threshold = (job.config or {}).get("threshold")
+    if not isinstance(threshold, int | float) or job.started_at is None:
+        return None
+    for step in job.steps.order_by("n"):
+        reward = step.metrics.get("val_reward")
+        if isinstance(reward, int | float) and reward >= threshold and "ready" in step.timings:
+            at = datetime.fromisoformat(step.timings["ready"])
+            return ThresholdReached(threshold, step.n, (at - job.started_at).total_seconds())
+    return None

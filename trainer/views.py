@@ -49,6 +49,8 @@ def job_detail(request, pk: int, workers: Callable[[], Any] | None = None):
         "rows": rows,
         "charts": charts,
         "throughput": selectors.job_throughput(rows=rows),
+        "threshold": selectors.job_threshold_reached(job=job),
+        "threshold_goal": (job.config or {}).get("threshold"),
         "rollout_counts": sorted(selectors.job_rollout_counts(job=job).items()),
         "checkpoints": selectors.job_checkpoints(job=job),
         "queues": workers() if workers else [],

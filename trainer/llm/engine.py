@@ -36,6 +36,7 @@ class Params:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     top_logprobs: int = 0
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever comes
 
 
 @dataclass(eq=False)
@@ -157,7 +158,7 @@ class Engine:
         seq.token_ids.append(token)
         seq.logprobs.append(logprob if math.isfinite(logprob) else -1e9)
         seq.top.append(top)
-        if token in self.eos_ids:
+        if token in self.eos_ids and not seq.params.ignore_eos:
             seq.finish_reason = "stop"
         else:
             seq.text = self.decode(seq.token_ids)

@@ -106,7 +106,8 @@ def parse(body: Any, kind: str) -> Parsed:
     return Parsed(
         kind=kind, body=body, model=model,
         params=Params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stops,
-                      seed=seed, top_logprobs=top),
+                      seed=seed, top_logprobs=top,
+                      ignore_eos=_boolean(body.get("ignore_eos", False), "ignore_eos")),
         n=n, stream=stream, logprobs=logprobs,
         return_token_ids=_boolean(body.get("return_token_ids", False), "return_token_ids"),
         include_usage=bool(options.get("include_usage")),

@@ -25,7 +25,7 @@ from lightning_site.queues import Queue
 from store import services as store_services
 from store.errors import InvalidInput
 from store.models import Project
-from trainer import progress, services
+from trainer import progress, selectors, services
 from trainer.algorithms import algorithm_class
 from trainer.models import JobStatus, TrainingJob
 
@@ -107,6 +107,10 @@ def summary(snap: progress.Snapshot, seconds: float, threshold: float | None) ->
                      f"{snap.val_reward:.3f} (final)")
     if threshold is not None and snap.val_reward is not None:
         verdict = "reached" if snap.val_reward >= threshold else "NOT reached"
+        reached = selectors.job_threshold_reached(job=job)
+        if reached is not None:
+            verdict += (f" (first at step {reached.step}, {reached.seconds:.1f}s after the job "
+                        "started)")
         lines.append(f"threshold {threshold}: {verdict}")
     if job.best_version is not None:
         lines.append(f"best checkpoint: {job.resources_id} version {job.best_version}")

@@ -1,0 +1,182 @@
+"""Benchmark of the LLM path. Prints figures; asserts nothing.
+
+    DATABASE_URL=postgres://postgres@127.0.0.1:5432/lightning_llm_bench \\
+        .venv/bin/python bench/llm_bench.py [--requests 400] [--skip-example]
+
+1. Gateway overhead: 16 concurrent sessions, each calling the example's model through the
+   gateway over real HTTP with the official openai client, attributed to a running attempt
+   (so every call is authenticated, attributed and recorded as a span in Postgres), against
+   16 threads calling the same engine through the same batcher in-process. Overhead = the
+   gateway's latency percentile minus the direct one.
+2. Dynamic batching: generated tokens/s for 16 concurrent requests of 16 tokens each
+   (`ignore_eos`), with the batcher's window against one request at a time (max_batch 1).
+3. The example's time to threshold: `manage.py train examples.llm_cipher` on the embedded
+   default, its summary line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "lightning_site.settings")
+os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/lightning_llm_bench")
+os.environ.setdefault("LOG_LEVEL", "WARNING")
+
+import django  # noqa: E402
+
+django.setup()
+
+import httpx  # noqa: E402
+import openai  # noqa: E402
+from django.conf import settings  # noqa: E402
+
+from bench.benchdb import empty_bench_database  # noqa: E402
+from examples.llm_cipher.model import base_checkpoint  # noqa: E402
+from store import services  # noqa: E402
+from store.services import RolloutSpec  # noqa: E402
+from trainer.llm.batcher import Batcher  # noqa: E402
+from trainer.llm.engine import Params, Sequence_  # noqa: E402
+from trainer.llm.server import ServerThread, build_gateway, quiet_transformers  # noqa: E402
+from trainer.llm.tokenizer import render_chat  # noqa: E402
+
+SESSIONS = 16
+MESSAGES = [{"role": "user", "content": "abc 7"}]
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def run_sessions(call, per_session: int) -> tuple[list[float], float]:
+    latencies: list[float] = []
+    lock = threading.Lock()
+
+    def session(i: int) -> None:
+        mine = []
+        for j in range(per_session):
+            t = time.perf_counter()
+            call(i, j)
+            mine.append(time.perf_counter() - t)
+        with lock:
+            latencies.extend(mine)
+
+    threads = [threading.Thread(target=session, args=(i,)) for i in range(SESSIONS)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return latencies, time.perf_counter() - start
+
+
+def overhead(requests: int, max_tokens: int) -> None:
+    empty_bench_database()
+    project = services.project_create(name="bench")
+    _, key = services.api_key_create(project=project, role="runner")
+    services.rollout_enqueue_many(project=project, specs=[RolloutSpec(input={}) for _ in
+                                                          range(SESSIONS)])
+    attempts = [services.rollout_dequeue(project=project, worker_id="bench")
+                for _ in range(SESSIONS)]
+    gateway = build_gateway(models=[f"tiny={base_checkpoint(settings.MODELS_DIR)}"])
+    server = ServerThread(gateway.app()).start()
+    engine = gateway.registry.by_name("tiny")
+    prompt = render_chat(engine.tokenizer, MESSAGES)
+    params = Params(max_tokens=max_tokens, temperature=1.0, ignore_eos=True)
+    per = max(1, requests // SESSIONS)
+    http = httpx.Client(limits=httpx.Limits(max_connections=64))
+    clients = [openai.OpenAI(
+        base_url=f"http://127.0.0.1:{server.port}/rollout/{r.pk}/attempt/{a.attempt_id}/v1",
+        api_key=key, http_client=http, max_retries=0) for r, a in attempts]
+
+    def direct(i: int, j: int) -> None:
+        gateway.batcher.run(engine, [Sequence_(list(prompt), params)])
+
+    def through_gateway(i: int, j: int) -> None:
+        clients[i].chat.completions.create(model="tiny", messages=MESSAGES,
+                                           max_tokens=max_tokens, extra_body={"ignore_eos": True})
+
+    run_sessions(direct, 2)  # warm up both paths
+    run_sessions(through_gateway, 2)
+    rounds = {"direct": [], "gateway": []}
+    for _ in range(3):  # interleaved, so both see the same machine
+        rounds["direct"] += run_sessions(direct, per)[0]
+        rounds["gateway"] += run_sessions(through_gateway, per)[0]
+    server.stop()
+    d, g = rounds["direct"], rounds["gateway"]
+    print(f"gateway overhead at {SESSIONS} concurrent sessions ({len(g)} calls each way, "
+          f"{max_tokens} tokens per call, every gateway call attributed and recorded):")
+    for name, q in (("p50", 0.5), ("p99", 0.99)):
+        print(f"  {name}: direct {pct(d, q) * 1000:7.2f} ms   gateway {pct(g, q) * 1000:7.2f} ms"
+              f"   overhead {(pct(g, q) - pct(d, q)) * 1000:6.2f} ms")
+    print(f"  mean: direct {statistics.fmean(d) * 1000:.2f} ms, gateway "
+          f"{statistics.fmean(g) * 1000:.2f} ms")
+
+
+def batching(max_tokens: int, rounds: int) -> None:
+    engine_dir = base_checkpoint(settings.MODELS_DIR)
+    from trainer.llm.engine import Engine
+
+    engine = Engine(engine_dir)
+    prompt = render_chat(engine.tokenizer, MESSAGES)
+    params = Params(max_tokens=max_tokens, temperature=1.0, ignore_eos=True)
+    figures = {}
+    for name, batcher in (("dynamic batching", Batcher(window=0.005, max_batch=64)),
+                          ("one at a time", Batcher(window=0.0, max_batch=1))):
+        def call(i: int, j: int, batcher=batcher) -> None:
+            batcher.run(engine, [Sequence_(list(prompt), params)])
+
+        run_sessions(call, 1)
+        _, seconds = run_sessions(call, rounds)
+        tokens = SESSIONS * rounds * max_tokens
+        figures[name] = tokens / seconds
+        print(f"  {name:16s}: {tokens / seconds:8.0f} generated tokens/s "
+              f"({batcher.batches} batches, largest {batcher.largest})")
+    print(f"  ratio: {figures['dynamic batching'] / figures['one at a time']:.1f}x")
+
+
+def example() -> None:
+    with tempfile.TemporaryDirectory() as data:
+        env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL",)}
+        env.update(LIGHTNING_DATA_DIR=data, LIGHTNING_MODELS_DIR=str(settings.MODELS_DIR),
+                   LOG_LEVEL="WARNING")
+        start = time.perf_counter()
+        done = subprocess.run(
+            [sys.executable, str(ROOT / "manage.py"), "migrate", "-v0"], env=env, cwd=ROOT)
+        done = subprocess.run(
+            [sys.executable, str(ROOT / "manage.py"), "train", "examples.llm_cipher", "--quiet"],
+            env=env, cwd=ROOT, capture_output=True, text=True)
+        print(f"  wall time of the command: {time.perf_counter() - start:.1f}s "
+              f"(exit {done.returncode})")
+        for line in done.stdout.splitlines():
+            print("  " + line)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--requests", type=int, default=480)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--skip-example", action="store_true")
+    args = parser.parse_args()
+    quiet_transformers()
+    base_checkpoint(settings.MODELS_DIR)  # built before anything is timed
+    overhead(args.requests, args.max_tokens)
+    print(f"generated tokens/s at {SESSIONS} concurrent requests of 16 tokens:")
+    batching(16, 8)
+    if not args.skip_example:
+        print("the example (embedded default), `manage.py train examples.llm_cipher`:")
+        example()
+
+
+if __name__ == "__main__":
+    main()
