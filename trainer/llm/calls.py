@@ -157,7 +157,8 @@ def _span(attribution: Attribution, call: Call, index: int, choice: Sequence_) -
         "status": {"status_code": "OK", "description": None},
         "attributes": attributes, "events": [], "links": [],
         "start_time": call.started, "end_time": call.finished,
-        "context": {"trace_id": trace_id, "span_id": span_id, "is_remote": False},
+        "context": {"trace_id": trace_id, "span_id": span_id, "is_remote": False,
+                    "trace_state": {}},
         "resource": {"attributes": {"service.name": "lightning.gateway"}, "schema_url": ""},
     }
 
