@@ -286,3 +286,21 @@ def test_a_paused_job_does_not_advance_until_resumed(monkeypatch):
     assert job.status == JobStatus.RUNNING and job.steps.filter(n=1).exists()
     job = drive(job, sent)
     assert job.status == JobStatus.SUCCEEDED
+
+
+def test_a_redelivered_train_step_takes_over_at_once_from_a_dead_worker_of_its_node(monkeypatch):
+    """Fast takeover: a training worker killed mid-step left its step for the whole lease
+    (120 s by default) although Celery redelivered its message at once."""
+    import os
+    import subprocess
+
+    sent = capture_sends(monkeypatch)
+    job = services.job_start(job_id=make_job().pk)
+    run_rollouts(job)
+    step_id = sent.train_steps.pop()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    assert services.step_claim(step_id=step_id, worker=f"celery:training@n1:{dead.pid}")
+    assert services.step_claim(step_id=step_id, worker="celery:training@n2:1") is None
+    heir = services.step_claim(step_id=step_id, worker=f"celery:training@n1:{os.getpid()}")
+    assert heir is not None and heir.attempts == 2

@@ -22,6 +22,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from lightning_site.processes import process_alive
 from store import selectors as store_selectors
 from store import services as store_services
 from store.errors import IllegalTransition, InvalidInput
@@ -209,6 +210,9 @@ def step_claim(*, step_id: int, worker: str, now: datetime | None = None) -> Tra
     now = now or _now()
     step = TrainingStep.objects.select_related("job").get(pk=step_id)
     claimable = Q(status=StepStatus.READY) | Q(status=StepStatus.TRAINING, lease_until__lt=now)
+    if _holder_dead(step, worker):
+        # The redelivered message of a killed training worker: no need to wait for the lease.
+        claimable |= Q(status=StepStatus.TRAINING, worker=step.worker)
     config = job_config(step.job)
     if step.attempts >= config["max_step_attempts"]:
         if TrainingStep.objects.filter(claimable, pk=step.pk).exists():
@@ -224,6 +228,14 @@ def step_claim(*, step_id: int, worker: str, now: datetime | None = None) -> Tra
         return None
     step.refresh_from_db()
     return step
+
+
+def _holder_dead(step: TrainingStep, worker: str) -> bool:
+    """The step is held by a process of this worker node ("celery:<node>:<pid>") that is gone."""
+    node, _, pid = step.worker.rpartition(":")
+    here, _, mine = worker.rpartition(":")
+    return (step.status == StepStatus.TRAINING and bool(node) and node == here
+            and pid.isdigit() and pid != mine and not process_alive(int(pid)))
 
 
 @dataclass
