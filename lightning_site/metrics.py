@@ -153,6 +153,11 @@ def _process_registry() -> CollectorRegistry:
     return registry
 
 
+def process_metrics() -> bytes:
+    """This process's metrics (all of gunicorn's workers in multiprocess mode), as text."""
+    return generate_latest(_process_registry())
+
+
 def _allowed(request: HttpRequest) -> bool:
     if request.user.is_authenticated and request.user.is_staff:
         return True

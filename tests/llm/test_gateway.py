@@ -149,6 +149,16 @@ def test_bad_input_answers(gateway_server, keyed):
     assert [m.id for m in client(base, key).models.list()] == ["tiny"]
 
 
+def test_gateway_metrics_need_the_token_and_count_tokens(gateway_server, keyed, settings):
+    _, base = gateway_server
+    project, key, *_ = keyed
+    client(base, key).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+    settings.METRICS_TOKEN = "scrape"
+    assert httpx.get(f"{base}/metrics").status_code == 401
+    text = httpx.get(f"{base}/metrics", headers={"Authorization": "Bearer scrape"}).text
+    assert 'lightning_gateway_completion_tokens_total{model="tiny"}' in text
+
+
 def test_hot_reload_under_concurrent_requests(gateway_server, keyed, model_dir, settings,
                                               tmp_path):
     settings.STORAGES = {**settings.STORAGES, "checkpoints": {

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import threading
@@ -27,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from lightning_site.gateway_metrics import record_completion
 from store.api.auth import authenticate_key
 from store.errors import NotFound
 from store.models import Project, ResourceVersion
@@ -88,6 +90,7 @@ class Gateway:
                 Route(prefix + "/v1/models", self._models, methods=["GET"]),
             ]
         routes.append(Route("/health", self._health, methods=["GET"]))
+        routes.append(Route("/metrics", self._metrics, methods=["GET"]))
         app = Starlette(routes=routes, lifespan=self._lifespan)
         app.state.gateway = self
         return app
@@ -102,6 +105,20 @@ class Gateway:
 
     async def _health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", "models": self.registry.names()})
+
+    async def _metrics(self, request: Request) -> Response:
+        """Prometheus text (lightning_gateway_* among them), for `Bearer $METRICS_TOKEN`."""
+        from django.conf import settings
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        from lightning_site.metrics import process_metrics
+
+        token = settings.METRICS_TOKEN
+        header = request.headers.get("authorization", "")
+        if not token or not hmac.compare_digest(header.encode(), f"Bearer {token}".encode()):
+            return Response("metrics need 'Authorization: Bearer $METRICS_TOKEN'\n",
+                            status_code=401, media_type="text/plain")
+        return Response(process_metrics(), media_type=CONTENT_TYPE_LATEST)
 
     async def _models(self, request: Request) -> Response:
         try:
@@ -218,6 +235,9 @@ class Gateway:
         self.batcher.run(prepared.engine, prepared.choices)
 
     def _record(self, prepared: _Prepared, started: float) -> None:
+        record_completion(model=prepared.model_name, prompt_tokens=len(prepared.prompt_ids),
+                          completion_tokens=sum(len(s.token_ids) for s in prepared.choices),
+                          seconds=time.time() - started)
         close_old_connections()
         if prepared.attribution is None:
             return
