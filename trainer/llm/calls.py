@@ -40,12 +40,14 @@ class Attribution:
 
 
 def attribute(*, project: Project, rollout_id: str, attempt_id: str) -> Attribution:
-    rollout = Rollout.objects.filter(project=project, pk=rollout_id).first()
-    if rollout is None:
-        raise NotFound("rollout", rollout_id)
-    attempt = Attempt.objects.filter(rollout=rollout, attempt_id=attempt_id).first()
+    attempt = (Attempt.objects.select_related("rollout")
+               .filter(rollout_id=rollout_id, rollout__project=project, attempt_id=attempt_id)
+               .first())
     if attempt is None:
+        if not Rollout.objects.filter(project=project, pk=rollout_id).exists():
+            raise NotFound("rollout", rollout_id)
         raise NotFound("attempt", f"{rollout_id}/{attempt_id}")
+    rollout = attempt.rollout
     if attempt.status in ATTEMPT_ENDED or rollout.status in ROLLOUT_TERMINAL:
         raise AttemptFinished(f"attempt {rollout_id}/{attempt_id} is {attempt.status} "
                               f"(rollout {rollout.status}); its calls are no longer recorded")
@@ -53,9 +55,17 @@ def attribute(*, project: Project, rollout_id: str, attempt_id: str) -> Attribut
                        rollout.resources_id)
 
 
+# A resources version never changes: its llm resource is looked up once per process.
+_PINNED_MAX = 256
+_pinned: dict[tuple[int, str, int], dict[str, Any] | None] = {}
+
+
 def _pinned_llm(rollout: Rollout) -> dict[str, Any] | None:
     if not rollout.resources_id:
         return None
+    key = (rollout.project_id, rollout.resources_id, rollout.resources_version)
+    if rollout.resources_version is not None and key in _pinned:
+        return _pinned[key]
     versions = ResourceVersion.objects.filter(
         resource_set__project_id=rollout.project_id,
         resource_set__resources_id=rollout.resources_id,
@@ -63,7 +73,12 @@ def _pinned_llm(rollout: Rollout) -> dict[str, Any] | None:
     row = (versions.filter(version=rollout.resources_version).first()
            if rollout.resources_version is not None else
            versions.order_by("-version").first())
-    return llm_resource(row.resources) if row is not None else None
+    llm = llm_resource(row.resources) if row is not None else None
+    if rollout.resources_version is not None and row is not None:
+        if len(_pinned) >= _PINNED_MAX:
+            _pinned.clear()
+        _pinned[key] = llm
+    return llm
 
 
 def llm_resource(resources: dict[str, Any]) -> dict[str, Any] | None:
