@@ -48,7 +48,9 @@ class AttemptSpans:
     def collect(self, span: ReadableSpan) -> None:
         with self._lock:
             self.count += 1
-            self._buffer.append(span_to_agl(span, self.rollout_id, self.attempt_id, self.count))
+            # No sequence id: the store issues it from the rollout's counter, which the
+            # rollout's other attempts and the model gateway's spans share (AGL's rule).
+            self._buffer.append(span_to_agl(span, self.rollout_id, self.attempt_id, None))
             full = len(self._buffer) >= self.batch_size
         if full and self.on_full is not None:
             self.on_full()
@@ -193,13 +195,16 @@ def emit_message(message: str, *, attributes: Mapping[str, Any] | None = None) -
         pass
 
 
-def span_to_agl(span: ReadableSpan, rollout_id: str, attempt_id: str, sequence_id: int) -> dict:
-    """An OpenTelemetry span as AGL's Span (the reference OpenAPI `Span` schema)."""
+def span_to_agl(span: ReadableSpan, rollout_id: str, attempt_id: str,
+                sequence_id: int | None) -> dict:
+    """An OpenTelemetry span as AGL's Span (the reference OpenAPI `Span` schema); a None
+    `sequence_id` asks the store to issue one."""
     ctx = span.get_span_context()
     resource = span.resource
     resource_attrs = _attrs(resource.attributes if resource else {})
-    resource_attrs.update({ROLLOUT_ID_KEY: rollout_id, ATTEMPT_ID_KEY: attempt_id,
-                           SEQUENCE_ID_KEY: sequence_id})
+    resource_attrs.update({ROLLOUT_ID_KEY: rollout_id, ATTEMPT_ID_KEY: attempt_id})
+    if sequence_id is not None:
+        resource_attrs[SEQUENCE_ID_KEY] = sequence_id
     return {
         "rollout_id": rollout_id,
         "attempt_id": attempt_id,

@@ -53,6 +53,19 @@ def test_agent_reward_and_instrumented_spans_are_recorded(project):
     assert resource["agentlightning.attempt_id"] == rollout.latest_attempt.attempt_id
 
 
+def test_a_retried_rollouts_spans_continue_its_sequence_ids(project):
+    config = {"max_attempts": 2, "retry_condition": ["failed"]}
+    services.rollout_enqueue(project=project, spec=RolloutSpec(input={"i": 1}, config=config))
+    gateway = LocalGateway(project)
+    for agent in ("tests.celery_agents:failing_agent", "tests.celery_agents:ok_agent"):
+        claim = gateway.claim(worker_id="w-test")[0]
+        executor.execute(gateway=gateway, claim=claim, agent=agent, worker_id="w-test",
+                         options=FAST)
+    ids = list(Span.objects.order_by("sequence_id").values_list("sequence_id", "attempt_id"))
+    assert [seq for seq, _ in ids] == list(range(1, len(ids) + 1))  # one counter, no repeats
+    assert len({attempt for _, attempt in ids}) == 2
+
+
 def test_span_dicts_follow_the_agl_schema(project):
     run_one(project, "tests.celery_agents:ok_agent")
     span = Span.objects.get(name="llm.call")
