@@ -209,3 +209,21 @@ def test_a_late_failure_keeps_the_watchdogs_verdict(project):
                                    metadata={"error": "late"})
     late.refresh_from_db()
     assert late.metadata == {"error": "late", "store.watchdog_verdict": "unresponsive"}
+
+
+def test_the_deadline_follows_the_servers_clock_not_the_runners(project):
+    """A remote runner's heartbeat carried its own clock into the attempt's deadline: a
+    runner a day behind was unresponsive at once."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    enqueue(project, 1, config={"unresponsive_seconds": 10})
+    rollout, attempt = claim(project)
+    behind = timezone.now() - timedelta(days=1)
+    beat = services.attempt_update(project=project, rollout_id=rollout.pk,
+                                   attempt_id=attempt.attempt_id, status="running",
+                                   last_heartbeat_time=behind)
+    beat.refresh_from_db()
+    assert beat.last_heartbeat_time == behind  # stored as sent (AGL)
+    assert beat.deadline > timezone.now() + timedelta(seconds=9)

@@ -173,6 +173,8 @@ def _apply(update: AttemptUpdate, attempt: Attempt, rollout: Rollout, now: datet
             attempt.metadata = {**(attempt.metadata or {}), "error": update.error}
     if update.last_heartbeat_time is not None:
         attempt.last_heartbeat_time = update.last_heartbeat_time
-    if attempt.status in ATTEMPT_LIVE:
+    if attempt.status in ATTEMPT_LIVE and (moved or update.last_heartbeat_time is not None):
+        # A report is a sign of life, dated by our clock: a runner's own clock (its
+        # last_heartbeat_time, stored as sent) never moves the watchdog's deadline.
         config = RolloutConfig.parse(rollout.config)
-        attempt.deadline = attempt_deadline(config, attempt.start_time, attempt.last_heartbeat_time)
+        attempt.deadline = attempt_deadline(config, attempt.start_time, now)
