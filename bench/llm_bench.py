@@ -4,10 +4,12 @@
         .venv/bin/python bench/llm_bench.py [--requests 400] [--skip-example]
 
 1. Gateway overhead: 16 concurrent sessions, each calling the example's model through the
-   gateway over real HTTP with the official openai client, attributed to a running attempt
-   (so every call is authenticated, attributed and recorded as a span in Postgres), against
-   16 threads calling the same engine through the same batcher in-process. Overhead = the
-   gateway's latency percentile minus the direct one.
+   gateway (`manage.py llm_serve`, its own process) over real HTTP with the official openai
+   client, attributed to a running attempt (so every call is authenticated, attributed and
+   recorded as a span in Postgres), against 16 threads calling the same engine through the
+   same batcher in this process. Printed: both latencies, their difference, and the time a
+   call spends in the gateway itself (its Server-Timing header: the whole call less the time
+   waiting for and in the engine): HTTP, authentication, attribution, recording.
 2. Dynamic batching: generated tokens/s for 16 concurrent requests of 16 tokens each
    (`ignore_eos`), with the batcher's window against one request at a time (max_batch 1).
 3. The example's time to threshold: `manage.py train examples.llm_cipher` on the embedded
@@ -30,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "lightning_site.settings")
 os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/lightning_llm_bench")
+os.environ.setdefault("DJANGO_SECRET_KEY", "bench")
 os.environ.setdefault("LOG_LEVEL", "WARNING")
 
 import django  # noqa: E402
@@ -43,10 +46,11 @@ from django.conf import settings  # noqa: E402
 from bench.benchdb import empty_bench_database  # noqa: E402
 from examples.llm_cipher.model import base_checkpoint  # noqa: E402
 from store import services  # noqa: E402
+from store.models import Span  # noqa: E402
 from store.services import RolloutSpec  # noqa: E402
 from trainer.llm.batcher import Batcher  # noqa: E402
 from trainer.llm.engine import Params, Sequence_  # noqa: E402
-from trainer.llm.server import ServerThread, build_gateway, quiet_transformers  # noqa: E402
+from trainer.llm.server import build_gateway, quiet_transformers  # noqa: E402
 from trainer.llm.tokenizer import render_chat  # noqa: E402
 
 SESSIONS = 16
@@ -88,39 +92,79 @@ def overhead(requests: int, max_tokens: int) -> None:
                                                           range(SESSIONS)])
     attempts = [services.rollout_dequeue(project=project, worker_id="bench")
                 for _ in range(SESSIONS)]
-    gateway = build_gateway(models=[f"tiny={base_checkpoint(settings.MODELS_DIR)}"])
-    server = ServerThread(gateway.app()).start()
-    engine = gateway.registry.by_name("tiny")
-    prompt = render_chat(engine.tokenizer, MESSAGES)
-    params = Params(max_tokens=max_tokens, temperature=1.0, ignore_eos=True)
-    per = max(1, requests // SESSIONS)
-    http = httpx.Client(limits=httpx.Limits(max_connections=64))
-    clients = [openai.OpenAI(
-        base_url=f"http://127.0.0.1:{server.port}/rollout/{r.pk}/attempt/{a.attempt_id}/v1",
-        api_key=key, http_client=http, max_retries=0) for r, a in attempts]
+    model = base_checkpoint(settings.MODELS_DIR)
+    port = _free_port()
+    # The gateway in its own process, as deployed (llm_serve), so the clients' own work is
+    # not counted against it; the direct path runs the same engine and batcher here.
+    server = subprocess.Popen(
+        [sys.executable, str(ROOT / "manage.py"), "llm_serve", "--port", str(port),
+         "--model", f"tiny={model}"], env=os.environ.copy(), cwd=ROOT)
+    try:
+        _wait_healthy(port)
+        gateway = build_gateway(models=[f"tiny={model}"])  # for the direct path
+        engine = gateway.registry.by_name("tiny")
+        prompt = render_chat(engine.tokenizer, MESSAGES)
+        params = Params(max_tokens=max_tokens, temperature=1.0, ignore_eos=True)
+        per = max(1, requests // SESSIONS // 3)
+        http = httpx.Client(limits=httpx.Limits(max_connections=64))
+        clients = [openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/rollout/{r.pk}/attempt/{a.attempt_id}/v1",
+            api_key=key, http_client=http, max_retries=0) for r, a in attempts]
 
-    def direct(i: int, j: int) -> None:
-        gateway.batcher.run(engine, [Sequence_(list(prompt), params)])
+        def direct(i: int, j: int) -> None:
+            gateway.batcher.run(engine, [Sequence_(list(prompt), params)])
 
-    def through_gateway(i: int, j: int) -> None:
-        clients[i].chat.completions.create(model="tiny", messages=MESSAGES,
-                                           max_tokens=max_tokens, extra_body={"ignore_eos": True})
+        inside: list[float] = []
 
-    run_sessions(direct, 2)  # warm up both paths
-    run_sessions(through_gateway, 2)
-    rounds = {"direct": [], "gateway": []}
-    for _ in range(3):  # interleaved, so both see the same machine
-        rounds["direct"] += run_sessions(direct, per)[0]
-        rounds["gateway"] += run_sessions(through_gateway, per)[0]
-    server.stop()
+        def through_gateway(i: int, j: int) -> None:
+            raw = clients[i].chat.completions.with_raw_response.create(
+                model="tiny", messages=MESSAGES, max_tokens=max_tokens,
+                extra_body={"ignore_eos": True})
+            raw.parse()
+            timing = dict(part.strip().split(";dur=")
+                          for part in raw.headers["server-timing"].split(","))
+            inside.append(float(timing["gateway"]) / 1000)
+
+        run_sessions(direct, 2)  # warm up both paths
+        run_sessions(through_gateway, 2)
+        inside.clear()
+        rounds = {"direct": [], "gateway": []}
+        for _ in range(3):  # interleaved, so both see the same machine
+            rounds["direct"] += run_sessions(direct, per)[0]
+            rounds["gateway"] += run_sessions(through_gateway, per)[0]
+    finally:
+        server.terminate()
+        server.wait(30)
     d, g = rounds["direct"], rounds["gateway"]
+    recorded = Span.objects.filter(rollout__project=project).count()
     print(f"gateway overhead at {SESSIONS} concurrent sessions ({len(g)} calls each way, "
-          f"{max_tokens} tokens per call, every gateway call attributed and recorded):")
+          f"{max_tokens} tokens per call; gateway calls attributed, {recorded} spans recorded):")
     for name, q in (("p50", 0.5), ("p99", 0.99)):
         print(f"  {name}: direct {pct(d, q) * 1000:7.2f} ms   gateway {pct(g, q) * 1000:7.2f} ms"
-              f"   overhead {(pct(g, q) - pct(d, q)) * 1000:6.2f} ms")
+              f"   end-to-end difference {(pct(g, q) - pct(d, q)) * 1000:6.2f} ms   "
+              f"time in the gateway itself {pct(inside, q) * 1000:6.2f} ms")
     print(f"  mean: direct {statistics.fmean(d) * 1000:.2f} ms, gateway "
           f"{statistics.fmean(g) * 1000:.2f} ms")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_healthy(port: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("llm_serve did not start")
 
 
 def batching(max_tokens: int, rounds: int) -> None:

@@ -11,12 +11,18 @@ gets the same span ids, which the store keeps once.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import queue
 import secrets
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from django.db import connection
 
 from store import services as store_services
 from store.errors import NotFound
@@ -40,19 +46,41 @@ class Attribution:
 
 
 def attribute(*, project: Project, rollout_id: str, attempt_id: str) -> Attribution:
-    attempt = (Attempt.objects.select_related("rollout")
-               .filter(rollout_id=rollout_id, rollout__project=project, attempt_id=attempt_id)
-               .first())
-    if attempt is None:
+    row = _attempt_row(project.pk, rollout_id, attempt_id)
+    if row is None:
         if not Rollout.objects.filter(project=project, pk=rollout_id).exists():
             raise NotFound("rollout", rollout_id)
         raise NotFound("attempt", f"{rollout_id}/{attempt_id}")
-    rollout = attempt.rollout
-    if attempt.status in ATTEMPT_ENDED or rollout.status in ROLLOUT_TERMINAL:
-        raise AttemptFinished(f"attempt {rollout_id}/{attempt_id} is {attempt.status} "
-                              f"(rollout {rollout.status}); its calls are no longer recorded")
-    return Attribution(project, rollout_id, attempt_id, _pinned_llm(rollout),
-                       rollout.resources_id)
+    attempt_status, rollout_status, resources_id, resources_version = row
+    if attempt_status in ATTEMPT_ENDED or rollout_status in ROLLOUT_TERMINAL:
+        raise AttemptFinished(f"attempt {rollout_id}/{attempt_id} is {attempt_status} "
+                              f"(rollout {rollout_status}); its calls are no longer recorded")
+    return Attribution(project, rollout_id, attempt_id,
+                       _pinned_llm(project.pk, resources_id, resources_version), resources_id)
+
+
+@functools.cache
+def _attempt_sql() -> str:
+    """One hand-written SELECT, built once from the models (compiling the equivalent
+    queryset cost more CPU than the rest of a call: store/services/_rows.py does the same)."""
+    a, r = Attempt._meta, Rollout._meta
+
+    def col(meta, name: str) -> str:
+        return f'"{meta.get_field(name).column}"'
+
+    return (
+        f"SELECT a.{col(a, 'status')}, r.{col(r, 'status')}, r.{col(r, 'resources_id')}, "
+        f"r.{col(r, 'resources_version')} FROM \"{a.db_table}\" a "
+        f"JOIN \"{r.db_table}\" r ON a.{col(a, 'rollout')} = r.{col(r, 'id')} "
+        f"WHERE r.{col(r, 'id')} = %s AND r.{col(r, 'project')} = %s "
+        f"AND a.{col(a, 'attempt_id')} = %s"
+    )
+
+
+def _attempt_row(project_id: int, rollout_id: str, attempt_id: str) -> tuple | None:
+    with connection.cursor() as cursor:
+        cursor.execute(_attempt_sql(), [rollout_id, project_id, attempt_id])
+        return cursor.fetchone()
 
 
 # A resources version never changes: its llm resource is looked up once per process.
@@ -60,21 +88,19 @@ _PINNED_MAX = 256
 _pinned: dict[tuple[int, str, int], dict[str, Any] | None] = {}
 
 
-def _pinned_llm(rollout: Rollout) -> dict[str, Any] | None:
-    if not rollout.resources_id:
+def _pinned_llm(project_id: int, resources_id: str | None,
+                version: int | None) -> dict[str, Any] | None:
+    if not resources_id:
         return None
-    key = (rollout.project_id, rollout.resources_id, rollout.resources_version)
-    if rollout.resources_version is not None and key in _pinned:
+    key = (project_id, resources_id, version)
+    if version is not None and key in _pinned:
         return _pinned[key]
     versions = ResourceVersion.objects.filter(
-        resource_set__project_id=rollout.project_id,
-        resource_set__resources_id=rollout.resources_id,
-    )
-    row = (versions.filter(version=rollout.resources_version).first()
-           if rollout.resources_version is not None else
+        resource_set__project_id=project_id, resource_set__resources_id=resources_id)
+    row = (versions.filter(version=version).first() if version is not None else
            versions.order_by("-version").first())
     llm = llm_resource(row.resources) if row is not None else None
-    if rollout.resources_version is not None and row is not None:
+    if version is not None and row is not None:
         if len(_pinned) >= _PINNED_MAX:
             _pinned.clear()
         _pinned[key] = llm
@@ -116,8 +142,79 @@ def response_id(kind: str, key: str | None) -> str:
 
 
 def record(attribution: Attribution, call: Call) -> None:
-    spans = [_span(attribution, call, i, choice) for i, choice in enumerate(call.choices)]
-    store_services.spans_ingest(project=attribution.project, spans=spans)
+    store_services.spans_ingest(project=attribution.project, spans=spans_of(attribution, call))
+
+
+def spans_of(attribution: Attribution, call: Call) -> list[dict[str, Any]]:
+    return [_span(attribution, call, i, choice) for i, choice in enumerate(call.choices)]
+
+
+class Recorder:
+    """Group commit: calls that finish together are recorded in one store write (one
+    transaction per project), and each caller returns once its spans are stored. A write that
+    fails is retried call by call, so one bad call does not fail the others."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[_Pending | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="llm-recorder", daemon=True)
+        self._thread.start()
+        self.writes = 0
+
+    def record(self, attribution: Attribution, call: Call, timeout: float = 60.0) -> None:
+        pending = _Pending(attribution, spans_of(attribution, call))
+        self._queue.put(pending)
+        if not pending.done.wait(timeout):
+            raise TimeoutError("the store did not record the call in time")
+        if pending.error is not None:
+            raise pending.error
+
+    def close(self) -> None:
+        """Record what is queued, then stop (closing the thread's database connection)."""
+        self._queue.put(None)
+        self._thread.join(30)
+
+    def _loop(self) -> None:
+        from django.db import close_old_connections, connections
+
+        stop = False
+        while not stop:
+            batch = [self._queue.get()]
+            while True:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            stop = None in batch
+            batch = [p for p in batch if p is not None]
+            close_old_connections()
+            by_project: dict[int, list[_Pending]] = {}
+            for pending in batch:
+                by_project.setdefault(pending.attribution.project.pk, []).append(pending)
+            for group in by_project.values():
+                self._write(group)
+        connections.close_all()
+
+    def _write(self, group: list[_Pending]) -> None:
+        try:
+            self.writes += 1
+            store_services.spans_ingest(project=group[0].attribution.project,
+                                        spans=[s for p in group for s in p.spans])
+        except Exception:
+            if len(group) > 1:  # find the culprit: each call on its own
+                for pending in group:
+                    self._write([pending])
+                return
+            group[0].error = sys.exc_info()[1]
+        for pending in group:
+            pending.done.set()
+
+
+@dataclass(eq=False)
+class _Pending:
+    attribution: Attribution
+    spans: list[dict[str, Any]]
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
 
 
 def _span(attribution: Attribution, call: Call, index: int, choice: Sequence_) -> dict[str, Any]:

@@ -41,7 +41,7 @@ from trainer.llm.registry import Registry, UnknownModel
 from trainer.llm.tokenizer import render_chat
 
 log = logging.getLogger(__name__)
-DB_THREADS = 16
+DB_THREADS = 64  # each call holds one while it waits for its batch
 
 
 class Gateway:
@@ -50,6 +50,7 @@ class Gateway:
         self.registry = registry or Registry()
         self.batcher = batcher or Batcher()
         self.upstream = upstream  # trainer.llm.upstream.Upstream, or None: local engines
+        self.recorder = calls.Recorder()
         self.poll_seconds = poll_seconds
         self._watched: dict[tuple[int, str], str] = {}
         self._watch_lock = threading.Lock()
@@ -79,6 +80,7 @@ class Gateway:
         for future in [self._db.submit(close_one) for _ in range(self._threads)]:
             future.result()
         self._db.shutdown(wait=True)
+        self.recorder.close()
 
     # --- the app ------------------------------------------------------------------------------
     def app(self) -> Starlette:
@@ -148,20 +150,22 @@ class Gateway:
             except ValueError:
                 raise BadRequest("the request body is not valid JSON") from None
             parsed = parse(body, kind)
-            prepared = await self._in_thread(self._prepare, request, parsed)
+            if parsed.stream:
+                prepared = await self._in_thread(self._prepare, request, parsed)
+                return StreamingResponse(self._stream(prepared, started),
+                                         media_type="text/event-stream")
+            # One trip to a worker thread: prepare, generate (waiting for its batch), record.
+            prepared = await self._in_thread(self._call, request, parsed, started)
         except BadRequest as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
-        if parsed.stream:
-            return StreamingResponse(self._stream(prepared, started),
-                                     media_type="text/event-stream")
-        try:
-            await self._in_thread(self._generate, prepared)
-            await self._in_thread(self._record, prepared, started)
-        except BadRequest as exc:
-            return JSONResponse(exc.body(), status_code=exc.status)
-        return JSONResponse(response(parsed, rid=prepared.rid, model=prepared.model_name,
-                                     prompt_ids=prepared.prompt_ids, choices=prepared.choices,
-                                     text_of=prepared.text_of))
+        body = response(parsed, rid=prepared.rid, model=prepared.model_name,
+                        prompt_ids=prepared.prompt_ids, choices=prepared.choices,
+                        text_of=prepared.text_of)
+        # What the call spent waiting for and in the engine, and in the gateway itself.
+        total = (time.time() - started) * 1000
+        engine = prepared.engine_seconds * 1000
+        timing = f"engine;dur={engine:.2f}, gateway;dur={total - engine:.2f}"
+        return JSONResponse(body, headers={"Server-Timing": timing})
 
     # --- the steps of a call (in worker threads: they touch the database) --------------------
     def _authorize(self, request: Request, rollout_id: str | None = None,
@@ -228,11 +232,21 @@ class Gateway:
             raise BadRequest(f"the model '{parsed.model}' does not exist", "model", status=404,
                              code="model_not_found") from None
 
+    def _call(self, request: Request, parsed: Parsed, started: float) -> _Prepared:
+        prepared = self._prepare(request, parsed)
+        self._generate(prepared)
+        self._record(prepared, started)
+        return prepared
+
     def _generate(self, prepared: _Prepared) -> None:
         if self.upstream is not None:
+            began = time.perf_counter()
             self.upstream.complete(prepared)
+            prepared.engine_seconds = time.perf_counter() - began
             return
+        began = time.perf_counter()
         self.batcher.run(prepared.engine, prepared.choices)
+        prepared.engine_seconds = time.perf_counter() - began
 
     def _record(self, prepared: _Prepared, started: float) -> None:
         record_completion(model=prepared.model_name, prompt_tokens=len(prepared.prompt_ids),
@@ -246,7 +260,7 @@ class Gateway:
             request=prepared.parsed.body, prompt_ids=prepared.prompt_ids,
             choices=prepared.choices, started=started, finished=time.time(),
             response_id=prepared.rid, idempotency_key=prepared.key, token_text=prepared.text_of)
-        calls.record(prepared.attribution, call)
+        self.recorder.record(prepared.attribution, call)
 
     async def _stream(self, prepared: _Prepared, started: float):
         loop = asyncio.get_running_loop()
@@ -361,6 +375,7 @@ class _Prepared:
         self.choices: list[Sequence_] = []
         self.text_of = str
         self.upstream_version: int | None = None
+        self.engine_seconds = 0.0  # in the engine's queue and decoding (or the upstream)
 
     @property
     def version(self) -> int:

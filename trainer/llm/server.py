@@ -23,6 +23,10 @@ def build_gateway(*, models: list[str] | None = None, upstream_url: str | None =
     from trainer.llm.upstream import Upstream
 
     quiet_transformers()
+    if settings.LLM_GATEWAY_TORCH_THREADS:
+        import torch
+
+        torch.set_num_threads(settings.LLM_GATEWAY_TORCH_THREADS)
     upstream_url = upstream_url if upstream_url is not None else settings.LLM_GATEWAY_UPSTREAM_URL
     upstream = None
     if upstream_url:
