@@ -297,6 +297,16 @@ def rollouts_wait(
         waiter.sleep(remaining)
 
 
+def attempt_keys_known(*, project: Project, keys: set[tuple[str, str]]) -> set[tuple[str, str]]:
+    """Which (rollout id, attempt id) pairs name an attempt of this project."""
+    if not keys:
+        return set()
+    rows = Attempt.objects.filter(
+        rollout_id__in={r for r, _ in keys}, attempt_id__in={a for _, a in keys}
+    ).values_list("rollout_id", "attempt_id", "rollout__project_id")
+    return {(r, a) for r, a, p in rows if p == project.pk and (r, a) in keys}
+
+
 def rollouts_first_error(*, rollout_ids: Sequence[str]) -> str | None:
     """What went wrong with the first of these rollouts to fail: its latest attempt's error,
     else the watchdog's or the queue's verdict. None when none failed."""

@@ -15,6 +15,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Status
 
+from store.models import Span
+
 PB = {"Content-Type": "application/x-protobuf"}
 
 
@@ -171,13 +173,26 @@ def test_malformed_otlp_is_400(otlp, body: bytes, headers: dict):
     assert "Traceback" not in response.text
 
 
-def test_unknown_attempt_is_404_and_other_projects_cannot_post_spans(api_server, keys, attempt):
+def test_spans_of_unknown_attempts_are_rejected_alone_and_other_projects_cannot_post(
+    api_server, keys, attempt, otlp
+):
+    """One unknown attempt id made a whole export 404 (an exporter then drops the batch)."""
     rid, aid = attempt
     body = export_request([{}], resource={"agentlightning.rollout_id": rid,
                                           "agentlightning.attempt_id": aid})
     response = httpx.post(api_server.url + "/v1/traces", content=body.SerializeToString(),
                           headers={**PB, "Authorization": f"Bearer {keys.other}"})
-    assert response.status_code == 404
+    reply = ExportTraceServiceResponse.FromString(response.content)
+    assert response.status_code == 200 and reply.partial_success.rejected_spans == 1
+    assert Span.objects.count() == 0
+    mixed = export_request([{"attributes": {"agentlightning.attempt_id": "at-nope"}}, {}],
+                           resource={"agentlightning.rollout_id": rid,
+                                     "agentlightning.attempt_id": aid})
+    response = otlp.post("/v1/traces", content=mixed.SerializeToString(), headers=PB)
+    reply = ExportTraceServiceResponse.FromString(response.content)
+    assert response.status_code == 200 and reply.partial_success.rejected_spans == 1
+    assert "unknown attempt" in reply.partial_success.error_message
+    assert Span.objects.count() == 1
     assert httpx.post(api_server.url + "/v1/traces", content=body.SerializeToString(),
                       headers=PB).status_code == 401
 
