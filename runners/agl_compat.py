@@ -63,10 +63,21 @@ def agl_resources(resources: Mapping[str, Any]) -> dict[str, Any]:
     typed: dict[str, Any] = {}
     for name, resource in resources.items():
         try:
-            typed[name] = adapter.validate_python(resource)
+            typed[name] = adapter.validate_python(_unrouted(resource))
         except ValueError:  # pydantic's ValidationError: not a resource type AGL knows
             typed[name] = resource
     return typed
+
+
+def _unrouted(resource: Any) -> Any:
+    """A proxy_llm as published: the executor routed its endpoint to the attempt
+    (runners/llm.py), and AGL's ProxyLLM routes it again in `get_base_url`, so AGL gets the
+    gateway's own endpoint back (the attempt's api_key stays)."""
+    if isinstance(resource, Mapping) and "base_endpoint" in resource:
+        unrouted = {k: v for k, v in resource.items() if k != "base_endpoint"}
+        unrouted["endpoint"] = resource["base_endpoint"]
+        return unrouted
+    return resource
 
 
 @cache

@@ -4,6 +4,7 @@ our Celery workers and remote runner (importable where agentlightning is install
 from __future__ import annotations
 
 import agentlightning as agl
+import openai
 
 
 @agl.rollout
@@ -26,3 +27,13 @@ class ProxyAgent(agl.LitAgent):
         base_url = proxy.get_base_url(rollout.rollout_id, rollout.attempt.attempt_id)
         agl.emit_message(f"{rollout.mode} {base_url} {prompt.format(x=task['value'])}")
         return float(task["value"])
+
+
+@agl.rollout
+def gateway_agent(task: dict, llm: agl.LLM) -> float:
+    """An `@rollout` agent on the OpenAI client: its `ProxyLLM` resource, made an `LLM` by AGL,
+    routes its calls to this rollout and attempt on our model gateway."""
+    client = openai.OpenAI(base_url=llm.endpoint, api_key=llm.api_key, max_retries=0)
+    reply = client.chat.completions.create(
+        model=llm.model, messages=[{"role": "user", "content": task["prompt"]}], max_tokens=4)
+    return 1.0 if reply.choices[0].message.content is not None else 0.0
