@@ -304,3 +304,13 @@ def test_a_redelivered_train_step_takes_over_at_once_from_a_dead_worker_of_its_n
     assert services.step_claim(step_id=step_id, worker="celery:training@n2:1") is None
     heir = services.step_claim(step_id=step_id, worker=f"celery:training@n1:{os.getpid()}")
     assert heir is not None and heir.attempts == 2
+
+
+def test_a_train_step_message_of_a_deleted_job_does_nothing(monkeypatch):
+    sent = capture_sends(monkeypatch)
+    job = services.job_start(job_id=make_job().pk)
+    run_rollouts(job)
+    step_id = sent.train_steps.pop()
+    job.delete()
+    assert services.step_train(step_id=step_id, worker="w") == "skipped"
+    assert services.step_check_ready(step_id=step_id) is False

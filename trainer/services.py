@@ -175,7 +175,9 @@ def step_check_ready(*, step_id: int, now: datetime | None = None) -> bool:
     """rolling -> ready when every rollout of the step is terminal, or when its deadline
     passed (the rest are cancelled). Sends the train task after commit. True if it moved."""
     now = now or _now()
-    step = TrainingStep.objects.select_related("job").get(pk=step_id)
+    step = TrainingStep.objects.select_related("job").filter(pk=step_id).first()
+    if step is None:  # its job was deleted
+        return False
     if step.status != StepStatus.ROLLING or step.job.status != JobStatus.RUNNING:
         return False
     open_ids = selectors.step_open_rollout_ids(step=step)
@@ -208,7 +210,9 @@ def step_claim(*, step_id: int, worker: str, now: datetime | None = None) -> Tra
     try. None when the step is not claimable: done, held by a live worker, or its job is not
     running (a redelivered message then does nothing). A step tried too often fails its job."""
     now = now or _now()
-    step = TrainingStep.objects.select_related("job").get(pk=step_id)
+    step = TrainingStep.objects.select_related("job").filter(pk=step_id).first()
+    if step is None:  # its job was deleted since the message was sent: nothing to do
+        return None
     claimable = Q(status=StepStatus.READY) | Q(status=StepStatus.TRAINING, lease_until__lt=now)
     if _holder_dead(step, worker):
         # The redelivered message of a killed training worker: no need to wait for the lease.
