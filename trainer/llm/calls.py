@@ -18,7 +18,6 @@ import queue
 import secrets
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,7 +130,6 @@ class Call:
     response_id: str
     idempotency_key: str | None = None
     token_text: Any = None  # callable: token id -> its text (for logprobs.content)
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def response_id(kind: str, key: str | None) -> str:
@@ -274,6 +272,3 @@ def _span(attribution: Attribution, call: Call, index: int, choice: Sequence_) -
         "resource": {"attributes": {"service.name": "lightning.gateway"}, "schema_url": ""},
     }
 
-
-def now() -> float:
-    return time.time()

@@ -374,14 +374,12 @@ class _Prepared:
         self.prompt_ids: list[int] = []
         self.choices: list[Sequence_] = []
         self.text_of = str
-        self.upstream_version: int | None = None
         self.engine_seconds = 0.0  # in the engine's queue and decoding (or the upstream)
 
     @property
     def version(self) -> int:
-        if self.engine is not None:
-            return self.engine.version
-        return self.upstream_version or 0
+        # An upstream server names no checkpoint version: 0.
+        return self.engine.version if self.engine is not None else 0
 
 
 def _prompt_ids(engine: Engine, parsed: Parsed) -> list[int]:

@@ -84,7 +84,7 @@ class ServerThread:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)
-        close = getattr(self.server.config.app, "state", None)
-        gateway = getattr(close, "gateway", None) if close is not None else None
-        if gateway is not None:
+        state = getattr(self.server.config.app, "state", None)
+        gateway = getattr(state, "gateway", None)
+        if gateway is not None:  # the app is a Gateway's: close its database connections
             gateway.close()
