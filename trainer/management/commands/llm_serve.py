@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from django.conf import settings
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 
 from trainer.llm.server import build_gateway
 
@@ -26,8 +26,11 @@ class Command(BaseCommand):
     def handle(self, *args, **options) -> None:
         import uvicorn
 
-        gateway = build_gateway(models=options["model"], upstream_url=options["upstream"],
-                                upstream_key=options["upstream_key"])
+        try:
+            gateway = build_gateway(models=options["model"], upstream_url=options["upstream"],
+                                    upstream_key=options["upstream_key"])
+        except (ValueError, OSError) as exc:  # a bad NAME=PATH, a directory with no model
+            raise CommandError(f"cannot serve: {exc}") from None
         where = f"http://{options['host']}:{options['port']}/v1"
         mode = f"forwarding to {options['upstream']}" if options["upstream"] else (
             "models: " + (", ".join(gateway.registry.names()) or "those jobs publish"))
