@@ -7,7 +7,10 @@ Same run, same workload, against (a) our server (gunicorn, Postgres) and (b) Age
 0.3's own `agl store --backend memory` (from .venv-agl; tests/agl/setup_venv.sh makes it):
 16 concurrent AGL-style runners, each looping dequeue -> 4 spans over OTLP/HTTP protobuf (one
 request per span, as AGL's exporter sends them) -> update_attempt(succeeded), until the queue
-is empty. Then, on our server only: our batched client (dequeue 250 at a time, their spans in
+is empty. For each server: rollouts/s; server CPU per rollout over the runners' phase, split
+into the server's own processes (web) and the Postgres backends of the benchmark database
+(bench/serverstats.py, from /proc); commits per rollout (pg_stat_database.xact_commit of the
+benchmark database); p50/p99 latency per route as the runners saw it. Then, on our server only: our batched client (dequeue 250 at a time, their spans in
 one batch, their completions in one batch) in rollouts/s, and span ingest of ~1 KB spans over
 HTTP (batches of 1,000) in spans/s.
 
@@ -39,12 +42,14 @@ logging.getLogger("httpx").setLevel(logging.WARNING)
 
 import httpx  # noqa: E402
 from django.conf import settings  # noqa: E402
+from django.db import connection  # noqa: E402
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: E402
     ExportTraceServiceRequest,
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue  # noqa: E402
 
 from bench.benchdb import STORE_TABLES, empty_bench_database  # noqa: E402
+from bench.serverstats import CpuMeter, commits, percentiles, wait_backends_gone  # noqa: E402
 from runners.client import StoreClient  # noqa: E402
 from store import services  # noqa: E402
 
@@ -150,24 +155,37 @@ def enqueue(url: str, key: str, count: int) -> None:
             client.post("/queues/rollouts/enqueue", json=body).raise_for_status()
 
 
-def agl_style_runner(url: str, key: str, worker: str, counts: list[int], errors: list) -> None:
+ROUTES = ("dequeue", "otlp span", "complete")
+
+
+def agl_style_runner(url: str, key: str, worker: str, counts: list[int], errors: list,
+                     latencies: dict[str, list[float]]) -> None:
     headers = {"Authorization": f"Bearer {key}"}
+    clock = time.perf_counter
     with httpx.Client(base_url=url, timeout=60, headers=headers) as client:
         while True:
             try:
+                started = clock()
                 claimed = client.post("/v1/agl/queues/rollouts/dequeue",
                                       json={"limit": 1, "worker_id": worker})
+                latencies["dequeue"].append(clock() - started)
                 claimed.raise_for_status()
                 if not claimed.json():
                     return
                 rollout = claimed.json()[0]
                 rid, aid = rollout["rollout_id"], rollout["attempt"]["attempt_id"]
                 for index in range(4):
-                    client.post("/v1/traces", content=otlp_span(rid, aid, index),
-                                headers={"Content-Type": "application/x-protobuf"}
-                                ).raise_for_status()
-                client.post(f"/v1/agl/rollouts/{rid}/attempts/{aid}",
-                            json={"status": "succeeded"}).raise_for_status()
+                    body = otlp_span(rid, aid, index)
+                    started = clock()
+                    answer = client.post("/v1/traces", content=body,
+                                         headers={"Content-Type": "application/x-protobuf"})
+                    latencies["otlp span"].append(clock() - started)
+                    answer.raise_for_status()
+                started = clock()
+                answer = client.post(f"/v1/agl/rollouts/{rid}/attempts/{aid}",
+                                     json={"status": "succeeded"})
+                latencies["complete"].append(clock() - started)
+                answer.raise_for_status()
                 counts.append(1)
             except httpx.HTTPError as exc:
                 errors.append(repr(exc))
@@ -184,19 +202,54 @@ def run_threads(target, args_list: list[tuple]) -> float:
     return time.perf_counter() - started
 
 
-def agl_workload(url: str, key: str, rollouts: int) -> float:
+def agl_workload(url: str, key: str, rollouts: int, server: subprocess.Popen,
+                 database: str | None) -> dict:
+    """Runs the workload; measures the server's CPU (its processes, and the Postgres backends
+    of `database` when it has one) over the runners' phase only. The caller reads commits."""
     warm_up(url, key)
     enqueue(url, key, rollouts)
+    figures: dict = {}
+    if database:
+        connection.close()  # the benchmark's own backend: out of the way, its counts reported
+        time.sleep(11)  # idle backends report their commit counts within 10 s
+        figures["commits_before"] = commits(_dsn(), database)
     counts: list[int] = []
     errors: list[str] = []
-    elapsed = run_threads(agl_style_runner,
-                          [(url, key, f"runner-{i}", counts, errors) for i in range(RUNNERS)])
+    latencies: dict[str, list[float]] = {route: [] for route in ROUTES}
+    meter = CpuMeter(server.pid, database)
+    meter.start()
+    elapsed = run_threads(agl_style_runner, [(url, key, f"runner-{i}", counts, errors,
+                                              latencies) for i in range(RUNNERS)])
+    cpu = meter.stop()
     if errors:
         print(f"  errors: {len(errors)}, first: {errors[0]}")
     done = len(counts)
     print(f"  {done} rollouts (dequeue + 4 OTLP spans + complete) by {RUNNERS} runners "
           f"in {elapsed:.2f} s")
-    return done / elapsed
+    figures.update(rollouts=done, rate=done / elapsed,
+                   web_ms=1000 * cpu["web"] / max(done, 1),
+                   pg_ms=1000 * cpu["postgres"] / max(done, 1))
+    print(f"  -> {figures['rate']:.1f} rollouts/s; server CPU per rollout "
+          f"{figures['web_ms'] + figures['pg_ms']:.1f} ms (web {figures['web_ms']:.1f}, "
+          f"Postgres {figures['pg_ms']:.1f})")
+    for route in ROUTES:
+        p50, p99 = percentiles(latencies[route])
+        print(f"  {route:>10}: p50 {p50:.1f} ms, p99 {p99:.1f} ms ({len(latencies[route])})")
+    return figures
+
+
+def _dsn() -> dict:
+    db = settings.DATABASES["default"]
+    return {"user": db["USER"] or "postgres", "password": db["PASSWORD"] or None,
+            "host": db["HOST"] or "127.0.0.1", "port": db["PORT"] or 5432}
+
+
+def report_commits(figures: dict, database: str) -> None:
+    """After the server stopped: its backends reported their counts as they exited."""
+    wait_backends_gone(database)
+    made = commits(_dsn(), database) - figures["commits_before"]
+    figures["commits"] = made / max(figures["rollouts"], 1)
+    print(f"  commits per rollout: {figures['commits']:.2f} ({made} in {database})")
 
 
 def batched_client(url: str, key: str, rollouts: int, threads: int = 4, batch: int = 250
@@ -277,34 +330,40 @@ def main() -> None:
     args = parser.parse_args()
     key = prepare_database()
     ours_url = f"http://127.0.0.1:{OURS_PORT}"
-    figures: dict[str, float] = {}
+    figures: dict[str, dict] = {}
 
+    database = settings.DATABASES["default"]["NAME"]
     ours = start_ours(args.gunicorn_workers, args.gunicorn_threads)
     try:
         print(f"(a) ours: gunicorn {args.gunicorn_workers}x{args.gunicorn_threads} threads, "
-              f"Postgres {settings.DATABASES['default']['NAME']}")
-        figures["ours"] = agl_workload(ours_url, key, args.rollouts)
-        print(f"  -> {figures['ours']:.1f} rollouts/s")
+              f"Postgres {database}")
+        figures["ours"] = agl_workload(ours_url, key, args.rollouts, ours, database)
     finally:
         stop(ours)
+    report_commits(figures["ours"], database)
     if not args.skip_agl:
         agl = start_agl()
         try:
             print("(b) Agent Lightning 0.3: agl store --backend memory")
-            figures["agl"] = agl_workload(f"http://127.0.0.1:{AGL_PORT}", key, args.rollouts)
-            print(f"  -> {figures['agl']:.1f} rollouts/s")
+            figures["agl"] = agl_workload(f"http://127.0.0.1:{AGL_PORT}", key, args.rollouts,
+                                          agl, None)
         finally:
             stop(agl)
-        print(f"ratio ours/agl: {figures['ours'] / figures['agl']:.2f}x (target >= 3x)")
+        ours_f, agl_f = figures["ours"], figures["agl"]
+        cpu_ours = ours_f["web_ms"] + ours_f["pg_ms"]
+        cpu_agl = agl_f["web_ms"] + agl_f["pg_ms"]
+        print(f"ratio ours/agl: throughput {ours_f['rate'] / agl_f['rate']:.2f}x "
+              f"(target >= 1.3x), server CPU per rollout {cpu_ours / cpu_agl:.2f}x "
+              f"(target <= 0.7x)")
 
     ours = start_ours(args.gunicorn_workers, args.gunicorn_threads)
     try:
         print("(c) ours, batched client")
-        figures["batched"] = batched_client(ours_url, key, args.batched_rollouts)
-        print(f"  -> {figures['batched']:.0f} rollouts/s (target >= 1,000)")
+        batched = batched_client(ours_url, key, args.batched_rollouts)
+        print(f"  -> {batched:.0f} rollouts/s (target >= 1,000)")
         print("(d) ours, span ingest over HTTP")
-        figures["spans"] = span_ingest(ours_url, key, args.span_batches)
-        print(f"  -> {figures['spans']:.0f} spans/s (target >= 15,000)")
+        spans = span_ingest(ours_url, key, args.span_batches)
+        print(f"  -> {spans:.0f} spans/s (target >= 15,000)")
     finally:
         stop(ours)
 
