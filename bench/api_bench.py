@@ -10,9 +10,10 @@ request per span, as AGL's exporter sends them) -> update_attempt(succeeded), un
 is empty. For each server: rollouts/s; server CPU per rollout over the runners' phase, split
 into the server's own processes (web) and the Postgres backends of the benchmark database
 (bench/serverstats.py, from /proc); commits per rollout (pg_stat_database.xact_commit of the
-benchmark database); p50/p99 latency per route as the runners saw it. Then, on our server only: our batched client (dequeue 250 at a time, their spans in
-one batch, their completions in one batch) in rollouts/s, and span ingest of ~1 KB spans over
-HTTP (batches of 1,000) in spans/s.
+benchmark database); p50/p99 latency per route as the runners saw it. Then, on our server
+only: our batched client (dequeue 250 at a time, their spans in one batch, their completions
+in one batch) in rollouts/s, and span ingest of ~1 KB spans over HTTP (batches of 1,000) in
+spans/s.
 
 Uses (and empties) its own database, whose name must contain "bench". Servers listen on
 127.0.0.1 ports 18090-18099.
