@@ -51,6 +51,8 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     # Request counts and latency per route for /metrics (lightning_site.metrics).
     "lightning_site.metrics.RequestMetricsMiddleware",
+    # A NUL in the URL is a 400 (Postgres refuses it in a query): lightning_site/badpath.py.
+    "lightning_site.badpath.RefuseNulPathMiddleware",
     "django.middleware.security.SecurityMiddleware",
     # Static files (the admin's CSS, the API docs' assets) in every mode, DEBUG or not.
     "whitenoise.middleware.WhiteNoiseMiddleware",

@@ -34,10 +34,14 @@ class IllegalTransition(StoreError):
 
 
 class InvalidInput(StoreError, ValueError):
-    def __init__(self, field: str, message: str) -> None:
+    """`field` is dotted (`spans[3].name`); `loc`, when given, is the exact location (keys
+    may contain dots)."""
+
+    def __init__(self, field: str, message: str, loc: tuple | None = None) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+        self.loc = loc
 
 
 class BadQuery(StoreError):

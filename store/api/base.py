@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from rest_framework import serializers
+from rest_framework.exceptions import ParseError
 from rest_framework.parsers import JSONParser
 from rest_framework.renderers import JSONRenderer
 from rest_framework.request import Request
@@ -34,6 +35,18 @@ class JSONNullRenderer(JSONRenderer):
         return super().render(data, accepted_media_type, renderer_context)
 
 
+class StoreJSONParser(JSONParser):
+    """DRF's JSON parser; JSON nested deeper than Python's recursion limit is malformed
+    input (400), as other parse errors are, not a RecursionError (500)."""
+
+    def parse(self, stream: Any, media_type: str | None = None,
+              parser_context: dict | None = None) -> Any:
+        try:
+            return super().parse(stream, media_type, parser_context)
+        except RecursionError:
+            raise ParseError("JSON parse error - nested too deeply") from None
+
+
 def check_body_size(request: Request) -> None:
     try:
         length = int(request.META.get("CONTENT_LENGTH") or 0)
@@ -50,7 +63,7 @@ class StoreView(APIView):
     authentication_classes = [ApiKeyAuthentication]
     permission_classes = [HasRole]
     renderer_classes = [JSONNullRenderer]
-    parser_classes = [JSONParser]
+    parser_classes = [StoreJSONParser]
     validation_location = "body"
 
     def get_exception_handler(self):  # noqa: ANN201 - DRF's hook

@@ -15,11 +15,13 @@ from typing import Any
 from django.core.exceptions import RequestDataTooBig, SuspiciousOperation
 from django.db import DataError, InterfaceError, OperationalError
 from django.http import Http404
+from psycopg import DataError as PgDataError
 from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
 from store.errors import IllegalTransition, InvalidInput, NotFound, ResourceInUse, StoreError
+from store.text import find_bad_text
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +72,19 @@ def _store_error(exc: StoreError) -> Response:
     if isinstance(exc, IllegalTransition | ResourceInUse):
         return Response({"detail": str(exc)}, status=409)
     if isinstance(exc, InvalidInput):
-        item = {"loc": ["body", *exc.field.split(".")], "msg": exc.message, "type": "value_error"}
+        loc = list(exc.loc) if exc.loc is not None else exc.field.split(".")
+        item = {"loc": ["body", *loc], "msg": exc.message, "type": "value_error"}
         return Response({"detail": [item]}, status=422)
     return Response({"detail": str(exc)}, status=400)
+
+
+def _bad_text_in_body(context: dict[str, Any]) -> tuple[tuple, str] | None:
+    request = context.get("request")
+    try:
+        data = request.data if request is not None else None
+    except Exception:  # noqa: BLE001 - the body was unreadable; nothing to name
+        return None
+    return find_bad_text(data)
 
 
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
@@ -85,8 +97,15 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
         return Response({"detail": "request too large"}, status=413)
     if isinstance(exc, SuspiciousOperation):
         return Response({"detail": "bad request"}, status=400)
-    if isinstance(exc, DataError):
-        # Values the database refuses (a NUL character in JSON, a number out of range).
+    if isinstance(exc, DataError | PgDataError | UnicodeEncodeError):
+        # Values the database refuses (a NUL character, a lone surrogate, a number out of
+        # range): named when the body holds the culprit.
+        bad = _bad_text_in_body(context)
+        if bad is not None:
+            loc, problem = bad
+            return Response({"detail": [{"loc": [getattr(context.get("view"),
+                                                         "validation_location", "body"), *loc],
+                                         "msg": problem, "type": "value_error"}]}, status=422)
         return Response({"detail": "invalid data: the database refused a value"}, status=400)
     if isinstance(exc, OperationalError | InterfaceError):
         log.warning("database unavailable in %s: %s", context.get("view").__class__.__name__,

@@ -29,15 +29,25 @@ def attempt_deadline(
     """When the watchdog must next look at a live attempt (None: never)."""
     candidates = []
     if config.timeout_seconds:
-        candidates.append(start + timedelta(seconds=config.timeout_seconds))
+        candidates.append(_after(start, config.timeout_seconds))
     if config.unresponsive_seconds:
-        candidates.append((heartbeat or start) + timedelta(seconds=config.unresponsive_seconds))
+        candidates.append(_after(heartbeat or start, config.unresponsive_seconds))
+    candidates = [c for c in candidates if c is not None]
     return min(candidates) if candidates else None
+
+
+def _after(base: datetime, seconds: float) -> datetime | None:
+    """`base` plus `seconds`; None (never) past the last representable date (a runner's
+    heartbeat dated in year 9999 plus a long limit)."""
+    try:
+        return base + timedelta(seconds=seconds)
+    except OverflowError:
+        return None
 
 
 def queue_deadline(rollout: Rollout, now: datetime) -> datetime | None:
     if rollout.queue_timeout_seconds:
-        return now + timedelta(seconds=rollout.queue_timeout_seconds)
+        return _after(now, rollout.queue_timeout_seconds)
     return None
 
 

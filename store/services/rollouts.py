@@ -221,14 +221,24 @@ def rollout_start(
     """Create a rollout that skips the queue: already preparing, with attempt 1."""
     config = _validate(spec)
     now = timezone.now()
-    with transaction.atomic():
-        pins = _pin_resources(project, [spec])
-        rollout = _build(project, spec, config, now, pins)
-        rollout.queue_deadline = None
-        rollout.save(force_insert=True)
-        attempt = new_attempt(rollout, worker_id, now)
-        attach([rollout], [attempt])
-        worker_sync_for_attempts(project.pk, [attempt], now)
+    key = spec.idempotency_key
+    try:
+        with transaction.atomic():
+            if key and Rollout.objects.filter(project=project, idempotency_key=key).exists():
+                raise IntegrityError(key)
+            pins = _pin_resources(project, [spec])
+            rollout = _build(project, spec, config, now, pins)
+            rollout.queue_deadline = None
+            rollout.save(force_insert=True)
+            attempt = new_attempt(rollout, worker_id, now)
+            attach([rollout], [attempt])
+            worker_sync_for_attempts(project.pk, [attempt], now)
+    except IntegrityError:
+        if not key:
+            raise
+        # Unlike enqueue, a start is not retried by returning the first rollout: its attempt
+        # may be running already. The key is refused instead (nothing was written).
+        raise InvalidInput("idempotency_key", "already used by another rollout") from None
     return rollout, attempt
 
 

@@ -7,17 +7,19 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import connection, transaction
+from django.db import DataError, connection, transaction
 from django.db.models import F
 from django.db.models.base import ModelState
 from django.utils import timezone
+from psycopg import errors as pg_errors
 
-from store.errors import InvalidInput, NotFound
+from store.errors import InvalidInput, NotFound, StoreError
 from store.models import Attempt, Project, Rollout, Span
 from store.services._bulk import Write, insert_new
 from store.services._common import attempt_deadline, set_attempt_status
 from store.services._rows import attempts_locked
 from store.statemachine import AttemptStatus, RolloutConfig, RolloutStatus
+from store.text import find_bad_text
 
 # A heartbeat rewrites its attempt at most this often; the watchdog's view of a busy attempt
 # is at most this stale, and a stream of spans costs one attempt write a second, not one each.
@@ -61,7 +63,22 @@ def spans_ingest(
     span_id), so repeating a post is harmless."""
     for index, span in enumerate(spans):
         _validate(span, index)
-    now = now or timezone.now()
+    try:
+        return _ingest(project, spans, now or timezone.now())
+    except StoreError:
+        raise
+    except (DataError, pg_errors.DataError, UnicodeEncodeError, ValueError) as exc:
+        # Text the database refused (a NUL, a lone surrogate): name the span and field.
+        # The transaction was rolled back, so nothing of the batch is stored.
+        bad = find_bad_text(list(spans))
+        if bad is None:
+            raise
+        (index, *path), problem = bad
+        field = ".".join([f"spans[{index}]", *map(str, path)])
+        raise InvalidInput(field, problem, loc=(f"spans[{index}]", *path)) from exc
+
+
+def _ingest(project: Project, spans: Sequence[dict[str, Any]], now: datetime) -> SpansIngested:
     with transaction.atomic():
         attempts = _attempts_for(project, spans)
         counted = _assign_sequence_ids(spans, attempts)

@@ -152,7 +152,8 @@ def test_malformed_json_is_400_without_a_traceback(algo, raw: bytes):
 def test_json_with_a_nul_character_is_refused_not_500(algo):
     response = algo.post("/queues/rollouts/enqueue",
                          json={"rollouts": [{"input": {"text": "a\u0000b"}}]})
-    assert response.status_code == 400
+    assert response.status_code == 422, response.text
+    assert response.json()["detail"][0]["loc"] == ["body", "rollouts", 0, "input", "text"]
 
 
 def test_unknown_ids_are_404(algo):

@@ -1,0 +1,124 @@
+"""Issue 11: a hostile tenant or a careless client gets a 4xx naming what is wrong, never a 500,
+and nothing half-written; keys do not outlive their revocation; another tenant's rows are not
+even locked."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+from django.utils import timezone
+
+from store.models import Attempt, Rollout, Span
+from tests.api.conftest import Keys, http
+
+
+def _rollout_with_attempt(algo: httpx.Client, runner: httpx.Client) -> tuple[str, str]:
+    response = algo.post("/queues/rollouts/enqueue", json={"rollouts": [{"input": 1}]})
+    assert response.status_code == 201, response.text
+    claimed = runner.post("/queues/rollouts/dequeue", json={"worker_id": "w"}).json()[0]
+    return claimed["rollout_id"], claimed["attempt"]["attempt_id"]
+
+
+def _spans(rid: str, aid: str, n: int, **extra) -> list[dict]:
+    return [{"rollout_id": rid, "attempt_id": aid, "trace_id": "a" * 32,
+             "span_id": f"{i:016x}", "name": "s", **extra} for i in range(n)]
+
+
+def _raw_json(client: httpx.Client, path: str, text: str) -> httpx.Response:
+    return client.post(path, content=text.encode(), headers={"Content-Type": "application/json"})
+
+
+# --- finding 4: no 500s ---------------------------------------------------------------------
+
+
+def test_start_rollout_reusing_an_idempotency_key_is_refused_naming_it(algo):
+    first = algo.post("/rollouts", json={"input": 1, "idempotency_key": "k1"})
+    assert first.status_code == 201, first.text
+    again = algo.post("/rollouts", json={"input": 2, "idempotency_key": "k1"})
+    assert again.status_code == 422, again.text
+    assert again.json()["detail"][0]["loc"] == ["body", "idempotency_key"]
+    assert Rollout.objects.filter(idempotency_key="k1").count() == 1
+
+
+def test_json_nested_5000_deep_is_400(algo):
+    response = _raw_json(algo, "/rollouts/search", "[" * 5000 + "]" * 5000)
+    assert response.status_code == 400, response.text
+    response = _raw_json(algo, "/queues/rollouts/enqueue",
+                         '{"rollouts": [{"input": ' + "[" * 5000 + "]" * 5000 + "}]}")
+    assert response.status_code == 400, response.text
+    assert Rollout.objects.count() == 0
+
+
+@pytest.mark.parametrize("count", [3, 60])  # 60: the COPY path (50 spans or more)
+@pytest.mark.parametrize("bad", ["a\\u0000b", "\\ud800"])
+def test_spans_with_a_nul_or_a_lone_surrogate_are_refused_naming_the_field(
+        algo, runner, count: int, bad: str):
+    rid, aid = _rollout_with_attempt(algo, runner)
+    spans = _spans(rid, aid, count)
+    text = json.dumps({"spans": spans})
+    marker = '"name": "s"}'
+    last = text.rfind(marker)  # the last span's attribute holds the bad string
+    text = text[:last] + '"name": "s", "attributes": {"prompt": "' + bad + '"}}' + \
+        text[last + len(marker):]
+    response = _raw_json(runner, "/spans/batch", text)
+    assert response.status_code == 422, response.text
+    loc = response.json()["detail"][0]["loc"]
+    assert loc[-2:] == ["attributes", "prompt"] and f"spans[{count - 1}]" in loc, loc
+    assert Span.objects.count() == 0  # nothing half-written
+    # The other spans alone are fine afterwards.
+    ok = runner.post("/spans/batch", json={"spans": spans[:-1]})
+    assert ok.status_code == 200 and ok.json()["added"] == count - 1
+
+
+def test_a_span_id_with_a_lone_surrogate_is_refused(algo, runner):
+    rid, aid = _rollout_with_attempt(algo, runner)
+    text = json.dumps(_spans(rid, aid, 1)[0]).replace('"0000000000000000"', '"\\ud800"')
+    response = _raw_json(runner, "/spans", text)
+    assert response.status_code == 422, response.text
+    assert response.json()["detail"][0]["loc"][-1] == "span_id"
+    assert Span.objects.count() == 0
+
+
+def test_a_heartbeat_at_year_9999_is_not_a_500(algo, runner):
+    """The watchdog refreshes a deadline from the runner's last heartbeat: year 9999 plus the
+    limit overflowed (OverflowError) in the sweep every request of the project runs first."""
+    response = algo.post("/queues/rollouts/enqueue", json={"rollouts": [
+        {"input": 1, "config": {"unresponsive_seconds": 3.1e9}}]})
+    assert response.status_code == 201, response.text
+    claimed = runner.post("/queues/rollouts/dequeue", json={"worker_id": "w"}).json()[0]
+    rid, aid = claimed["rollout_id"], claimed["attempt"]["attempt_id"]
+    year_9999 = 253402300000.0
+    response = runner.post(f"/rollouts/{rid}/attempts/{aid}",
+                           json={"status": "running", "last_heartbeat_time": year_9999})
+    assert response.status_code == 200, response.text
+    # Make the attempt due for the watchdog now, as time passing would.
+    Attempt.objects.filter(rollout_id=rid).update(deadline=timezone.now())
+    for _ in range(3):  # any request of the project sweeps its overdue attempts first
+        assert algo.get("/statistics").status_code == 200
+        time.sleep(0.15)
+    assert algo.get(f"/rollouts/{rid}").status_code == 200
+
+
+def test_a_nul_in_a_url_is_400_not_500(api_server, keys: Keys, admin_client_url):
+    with http(api_server, keys.algorithm) as algo:
+        assert algo.get("/rollouts/ro-%00").status_code in (400, 404)
+    response = admin_client_url("/admin/store/rollout/%00/change/")
+    assert 400 <= response.status_code < 500, response.status_code
+
+
+@pytest.fixture
+def admin_client_url(api_server, django_user_model):
+    """GET a page of the server with a staff login."""
+    django_user_model.objects.create_superuser("root", "r@example.com", "pw-for-tests")
+    client = httpx.Client(base_url=api_server.url, timeout=30)
+    page = client.get("/admin/login/")
+    token = client.cookies["csrftoken"]
+    response = client.post("/admin/login/?next=/admin/", data={
+        "username": "root", "password": "pw-for-tests", "csrfmiddlewaretoken": token,
+        "next": "/admin/"}, headers={"Referer": api_server.url + "/admin/login/"})
+    assert response.status_code == 302, (page.status_code, response.text[:500])
+    yield lambda path: client.get(path)
+    client.close()
