@@ -66,36 +66,42 @@ def _attempts_with_rollouts(where: str, lock: str, params: list) -> list[Attempt
     return attempts
 
 
-def attempts_locked(rollout_ids: list[str], attempt_ids: list[str] | None,
+def attempts_locked(project_id: int, rollout_ids: list[str], attempt_ids: list[str] | None,
                     lock_rollouts: bool) -> list[Attempt]:
-    """Attempts of these rollouts (only those named, when `attempt_ids` is given), each with
-    its rollout (one instance per rollout), locked FOR NO KEY UPDATE in attempt pk order;
-    with `lock_rollouts`, their rollouts next, in id order, read again once locked.
+    """The project's attempts of these rollouts (only those named, when `attempt_ids` is
+    given), each with its rollout (one instance per rollout), locked FOR NO KEY UPDATE in
+    attempt pk order; with `lock_rollouts`, their rollouts next, in id order, read again once
+    locked.
 
     The one lock order of every writer: attempts in id order, then rollouts in id order, then
     workers. Locking a rollout between two of its attempts (one joined statement locks rows
     as it emits them) deadlocked with the sweep, which holds a late attempt and waits for
-    its rollout."""
-    where = "a.rollout_id = ANY(%s)"
-    params: list = [rollout_ids]
+    its rollout.
+
+    Rows of another project are filtered out before they are locked: naming another tenant's
+    ids never waits behind its transactions (a timing oracle). The filter is written
+    `project_id + 0` so the planner cannot pick the project's index over the primary keys (a
+    new project's stale statistics look small, and it would scan the whole project)."""
+    where = "a.rollout_id = ANY(%s) AND r.project_id + 0 = %s"
+    params: list = [rollout_ids, project_id]
     if attempt_ids is not None:
         where += " AND a.attempt_id = ANY(%s)"
         params.append(attempt_ids)
     attempts = _attempts_with_rollouts(where, "FOR NO KEY UPDATE OF a", params)
     if lock_rollouts and attempts:
-        fresh = rollouts_locked(sorted({a.rollout_id for a in attempts}))
+        fresh = rollouts_locked(project_id, sorted({a.rollout_id for a in attempts}))
         for attempt in attempts:
             attempt._state.fields_cache["rollout"] = fresh[attempt.rollout_id]
     return attempts
 
 
-def rollouts_locked(rollout_ids: list[str]) -> dict[str, Rollout]:
-    """Rollouts locked FOR NO KEY UPDATE in id order, as they are once locked."""
+def rollouts_locked(project_id: int, rollout_ids: list[str]) -> dict[str, Rollout]:
+    """The project's rollouts locked FOR NO KEY UPDATE in id order, as they are once locked."""
     sql = (
         f"SELECT {_columns(Rollout, 'r')} FROM store_rollout r WHERE r.id = ANY(%s) "
-        "ORDER BY r.id FOR NO KEY UPDATE"
+        "AND r.project_id + 0 = %s ORDER BY r.id FOR NO KEY UPDATE"
     )
     with connection.cursor() as cursor:
-        cursor.execute(sql, [rollout_ids])
+        cursor.execute(sql, [rollout_ids, project_id])
         rows = cursor.fetchall()
     return {r.pk: r for r in (row_instance(Rollout, list(row)) for row in rows)}

@@ -118,7 +118,7 @@ def _lock(project: Project, rollout_ids: set[str]) -> tuple[list[Attempt], dict[
     Rows lock in attempt pk order, each rollout right after its first attempt: the order
     attempts -> rollouts that every writer keeps (see store/watchdog.py)."""
     if connection.vendor == "postgresql":
-        rows = attempts_locked(sorted(rollout_ids), None, lock_rollouts=True)
+        rows = attempts_locked(project.pk, sorted(rollout_ids), None, lock_rollouts=True)
     else:  # the embedded SQLite default: its transactions are serialized (BEGIN IMMEDIATE)
         rows = list(
             Attempt.objects.select_related("rollout").filter(rollout_id__in=rollout_ids)
@@ -126,9 +126,8 @@ def _lock(project: Project, rollout_ids: set[str]) -> tuple[list[Attempt], dict[
         )
     rollouts: dict[str, Rollout] = {}
     for attempt in rows:
-        # One instance per rollout, shared by its attempts. By primary key only: with
-        # `project_id = ...` in the query, Postgres may scan the whole project (a new
-        # project's stale statistics look small), so the project is checked here.
+        # One instance per rollout, shared by its attempts. Postgres filtered the project
+        # before locking (_rows.attempts_locked); SQLite's rows are checked here.
         attempt.rollout = rollouts.setdefault(attempt.rollout_id, attempt.rollout)
     mine = {pk: r for pk, r in rollouts.items() if r.project_id == project.pk}
     return rows, mine

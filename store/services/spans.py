@@ -131,7 +131,7 @@ def _attempts_for(project: Project, spans: Sequence[dict]) -> dict[tuple[str, st
     rollout_ids = sorted({rid for rid, _ in keys})
     attempt_ids = sorted({aid for _, aid in keys})
     if connection.vendor == "postgresql":
-        rows = attempts_locked(rollout_ids, attempt_ids, lock_rollouts=True)
+        rows = attempts_locked(project.pk, rollout_ids, attempt_ids, lock_rollouts=True)
     else:  # the embedded SQLite default: its transactions are serialized (BEGIN IMMEDIATE)
         rows = list(
             Attempt.objects.select_related("rollout")
@@ -141,7 +141,7 @@ def _attempts_for(project: Project, spans: Sequence[dict]) -> dict[tuple[str, st
         shared: dict[str, Rollout] = {}
         for attempt in rows:
             attempt.rollout = shared.setdefault(attempt.rollout_id, attempt.rollout)
-    # The project is checked here, not in SQL: see attempt_update_many.
+    # Postgres filtered the project before locking; checked again for SQLite's rows.
     found = {(a.rollout_id, a.attempt_id): a for a in rows if a.rollout.project_id == project.pk}
     for key in sorted(keys):
         if key not in found:

@@ -8,11 +8,12 @@ import json
 import time
 
 import httpx
+import psycopg
 import pytest
 from django.utils import timezone
 
 from store.models import Attempt, Rollout, Span
-from tests.api.conftest import Keys, http
+from tests.api.conftest import Keys, database_url_for_tests, http
 
 
 def _rollout_with_attempt(algo: httpx.Client, runner: httpx.Client) -> tuple[str, str]:
@@ -122,3 +123,36 @@ def admin_client_url(api_server, django_user_model):
     assert response.status_code == 302, (page.status_code, response.text[:500])
     yield lambda path: client.get(path)
     client.close()
+
+
+# --- finding 7: another tenant's rows are not locked (no timing oracle) ---------------------
+
+
+@pytest.mark.parametrize("what", ["span", "spans_copy", "attempt", "attempts_batch"])
+def test_naming_another_tenants_rollout_does_not_touch_its_locks(api_server, keys: Keys,
+                                                                   algo, runner, what: str):
+    """A span post or attempt update naming another project's real ids locked those rows
+    before checking the project: it waited behind the owner's transactions, and its timing
+    told that the id exists. Here the owner holds its attempt row locked; the stranger's
+    request must answer 404 at once instead of waiting for that lock."""
+    rid, aid = _rollout_with_attempt(algo, runner)
+    with http(api_server, keys.other) as stranger, psycopg.connect(database_url_for_tests()) as db:
+        with db.transaction():
+            db.execute("SELECT 1 FROM store_attempt a WHERE a.rollout_id = %s FOR UPDATE", [rid])
+            db.execute("SELECT 1 FROM store_rollout r WHERE r.id = %s FOR UPDATE", [rid])
+            try:
+                if what == "span":
+                    response = stranger.post("/spans", json=_spans(rid, aid, 1)[0], timeout=5)
+                elif what == "spans_copy":
+                    response = stranger.post("/spans/batch", json={"spans": _spans(rid, aid, 60)},
+                                             timeout=5)
+                elif what == "attempt":
+                    response = stranger.post(f"/rollouts/{rid}/attempts/{aid}",
+                                             json={"status": "running"}, timeout=5)
+                else:
+                    response = stranger.post("/attempts/batch", json={"updates": [
+                        {"rollout_id": rid, "attempt_id": aid, "status": "running"}]}, timeout=5)
+            except httpx.TimeoutException:
+                pytest.fail("the request waited for another tenant's row lock")
+    assert response.status_code == 404, response.text
+    assert Span.objects.count() == 0
