@@ -3,10 +3,12 @@ size limit on bodies, and store errors mapped to HTTP statuses."""
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterable
 from typing import Any
 
-from rest_framework import serializers
+from django.core.handlers.wsgi import LimitedStream
+from rest_framework import exceptions, serializers
 from rest_framework.exceptions import ParseError
 from rest_framework.parsers import JSONParser
 from rest_framework.renderers import JSONRenderer
@@ -47,6 +49,31 @@ class StoreJSONParser(JSONParser):
             raise ParseError("JSON parse error - nested too deeply") from None
 
 
+class LengthRequired(exceptions.APIException):
+    status_code = 411
+    default_detail = "a chunked body needs a server that ends it; send Content-Length"
+    default_code = "length_required"
+
+
+def buffer_chunked_body(request: Request) -> None:
+    """A body sent chunked (no Content-Length) was never read: Django and DRF take a missing
+    length for an empty body, so an OTLP export answered 200 and stored nothing. Under a
+    server that ends the stream for us (gunicorn sets `wsgi.input_terminated`), it is read
+    here, up to the size limit, and handed on with its length; elsewhere it is a 411."""
+    meta = request.META
+    if meta.get("CONTENT_LENGTH") or "chunked" not in meta.get(
+            "HTTP_TRANSFER_ENCODING", "").lower():
+        return
+    if not meta.get("wsgi.input_terminated"):
+        raise LengthRequired()
+    body = meta["wsgi.input"].read(limits.MAX_BODY_BYTES + 1)
+    if len(body) > limits.MAX_BODY_BYTES:
+        raise PayloadTooLarge(f"request body over {limits.MAX_BODY_BYTES} bytes")
+    django_request = request._request
+    django_request._stream = LimitedStream(io.BytesIO(body), len(body))
+    meta["CONTENT_LENGTH"] = str(len(body))
+
+
 def check_body_size(request: Request) -> None:
     try:
         length = int(request.META.get("CONTENT_LENGTH") or 0)
@@ -70,6 +97,7 @@ class StoreView(APIView):
         return exception_handler
 
     def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        buffer_chunked_body(request)
         check_body_size(request)
         super().initial(request, *args, **kwargs)
         if isinstance(request.user, KeyPrincipal):

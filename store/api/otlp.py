@@ -12,6 +12,7 @@ import json
 import zlib
 from typing import Any
 
+import orjson
 from django.http import HttpResponse, JsonResponse
 from drf_spectacular.utils import OpenApiTypes, extend_schema
 from google.protobuf import json_format
@@ -210,6 +211,32 @@ def _span(proto: Any, attrs: dict[str, Any], resource: dict[str, Any], rollout_i
     }
 
 
+def resource_copy_bytes(request: ExportTraceServiceRequest) -> int:
+    """Bytes the request's resources add by being stored with every span after the first
+    (the JSON of each resource times its spans less one)."""
+    extra = 0
+    for resource_spans in request.resource_spans:
+        count = sum(len(scope.spans) for scope in resource_spans.scope_spans)
+        if count > 1 and resource_spans.resource.attributes:
+            resource = {"attributes": _attributes(resource_spans.resource.attributes),
+                        "schema_url": resource_spans.schema_url or ""}
+            extra += len(orjson.dumps(resource, option=orjson.OPT_NON_STR_KEYS)) * (count - 1)
+    return extra
+
+
+def check_resource_copies(request: ExportTraceServiceRequest, body_bytes: int) -> None:
+    """413 when the copies of the resources would store more than limits allow for a
+    request of this size (README "Errors and limits")."""
+    extra = resource_copy_bytes(request)
+    allowed = limits.RESOURCE_COPY_FACTOR * body_bytes + limits.RESOURCE_COPY_ALLOWANCE
+    if extra > allowed:
+        raise PayloadTooLarge(
+            f"the resource is stored with every span: its copies would add {extra} bytes, "
+            f"more than {allowed} for a request of {body_bytes} bytes; send fewer spans per "
+            "request or a smaller resource"
+        )
+
+
 def otlp_response(message: Message, kind: str, status: int = 200) -> HttpResponse:
     if kind == PROTOBUF:
         return HttpResponse(message.SerializeToString(), status=status, content_type=PROTOBUF)
@@ -234,10 +261,15 @@ class OtlpView(StoreView):
     def export(self, request: Request) -> HttpResponse:
         kind = media_type(request)
         try:
-            message = parse(self.request_message(), read_body(request), kind)
+            body = read_body(request)
+            message = parse(self.request_message(), body, kind)
         except OtlpError as exc:
             return JsonResponse({"detail": str(exc)}, status=400)
+        self.check(message, len(body))
         return self.handle(message, kind)
+
+    def check(self, message: Message, body_bytes: int) -> None:
+        """Limits that depend on the whole message (before anything is stored)."""
 
     def handle(self, message: Message, kind: str) -> HttpResponse:
         return otlp_response(self.response_message(), kind)
@@ -254,6 +286,9 @@ class OtlpTracesView(OtlpView):
     @extend_schema(operation_id="otlp_traces")
     def post(self, request: Request) -> HttpResponse:
         return self.export(request)
+
+    def check(self, message: Message, body_bytes: int) -> None:
+        check_resource_copies(message, body_bytes)
 
     def handle(self, message: Message, kind: str) -> HttpResponse:
         spans, rejected = spans_from_request(message)

@@ -10,10 +10,12 @@ import time
 import httpx
 import psycopg
 import pytest
+from django.db import connection
 from django.utils import timezone
 
 from store.models import Attempt, Rollout, Span
 from tests.api.conftest import Keys, database_url_for_tests, http
+from tests.api.test_api_otlp import export_request
 
 
 def _rollout_with_attempt(algo: httpx.Client, runner: httpx.Client) -> tuple[str, str]:
@@ -156,3 +158,80 @@ def test_naming_another_tenants_rollout_does_not_touch_its_locks(api_server, key
                 pytest.fail("the request waited for another tenant's row lock")
     assert response.status_code == 404, response.text
     assert Span.objects.count() == 0
+
+
+# --- findings 2 and 5: OTLP stores what it says, within a bound of the request's size -------
+
+
+def _span_table_bytes() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_total_relation_size('store_span')")
+        return cursor.fetchone()[0]
+
+
+def _otlp(api_server, keys: Keys) -> httpx.Client:
+    return httpx.Client(base_url=api_server.url, timeout=60,
+                        headers={"Authorization": f"Bearer {keys.runner}",
+                                 "Content-Type": "application/x-protobuf"})
+
+
+def test_an_otlp_resource_copied_into_every_span_counts_against_the_request(
+        api_server, keys: Keys, algo, runner):
+    """A 0.98 MiB request grew the span table by 102 MiB: its `resource` is stored with every
+    span. Now the copies count: past a small multiple of the request, 413, nothing stored."""
+    rid, aid = _rollout_with_attempt(algo, runner)
+    ids = {"agentlightning.rollout_id": rid, "agentlightning.attempt_id": aid}
+    resource = {**ids, **{f"pad.{i}": "x" * 1000 for i in range(200)}}  # ~200 KB
+    body = export_request([{} for _ in range(500)], resource=resource).SerializeToString()
+    assert 200_000 < len(body) < 300_000
+    before = _span_table_bytes()
+    with _otlp(api_server, keys) as otlp:
+        response = otlp.post("/v1/traces", content=body)
+    assert response.status_code == 413, response.text
+    assert "resource" in response.json()["detail"]
+    assert Span.objects.count() == 0
+    assert _span_table_bytes() - before < 4 * len(body)
+
+
+def test_a_batch_with_a_shared_resource_within_the_bound_is_stored(
+        api_server, keys: Keys, algo, runner):
+    """An exporter's batch (one resource, many spans with their own attributes) is accepted,
+    and the table grows by a small multiple of the request."""
+    rid, aid = _rollout_with_attempt(algo, runner)
+    ids = {"agentlightning.rollout_id": rid, "agentlightning.attempt_id": aid,
+           "service.name": "agent", "telemetry.sdk.name": "opentelemetry"}
+    spans = [{"attributes": {"prompt": "p" * 1000, "i": i}} for i in range(512)]
+    body = export_request(spans, resource=ids).SerializeToString()
+    before = _span_table_bytes()
+    with _otlp(api_server, keys) as otlp:
+        response = otlp.post("/v1/traces", content=body)
+    assert response.status_code == 200, response.text
+    assert Span.objects.count() == 512
+    growth = _span_table_bytes() - before
+    assert growth < 8 * len(body), (growth, len(body))
+
+
+def test_a_chunked_otlp_upload_without_content_length_is_stored(api_server, keys: Keys, algo,
+                                                                 runner):
+    """It answered 200 and stored nothing (the body was never read)."""
+    rid, aid = _rollout_with_attempt(algo, runner)
+    ids = {"agentlightning.rollout_id": rid, "agentlightning.attempt_id": aid}
+    body = export_request([{}, {}, {}], resource=ids).SerializeToString()
+
+    def chunks():
+        for start in range(0, len(body), 100):
+            yield body[start:start + 100]
+
+    with _otlp(api_server, keys) as otlp:
+        response = otlp.post("/v1/traces", content=chunks())
+    assert response.request.headers.get("Transfer-Encoding") == "chunked"
+    assert "Content-Length" not in response.request.headers
+    assert response.status_code == 200, response.text
+    assert Span.objects.filter(rollout_id=rid).count() == 3
+    Span.objects.all().delete()
+    with http(api_server, keys.runner) as client:  # chunked JSON is read too
+        response = client.post("/spans/batch", content=(
+            part.encode() for part in ['{"spans": ', json.dumps(_spans(rid, aid, 2)),
+                                       "}"]),
+            headers={"Content-Type": "application/json"})
+    assert response.status_code == 200 and response.json()["added"] == 2, response.text
