@@ -159,6 +159,13 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
     "COMPONENT_SPLIT_REQUEST": True,
+    # The schema describes the store API, not the view that serves the schema.
+    "SERVE_INCLUDE_SCHEMA": False,
+    # Every operation's error answers, `null` answers and exact path ids (store/api/schema.py).
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "store.api.schema.declare_errors",
+    ],
     "ENUM_NAME_OVERRIDES": {
         "RolloutStatusEnum": "store.api.schema.ROLLOUT_STATUSES",
         "AttemptStatusEnum": "store.api.schema.ATTEMPT_STATUSES",

@@ -127,8 +127,17 @@ class StoreView(APIView):
                 raise BadQuery(f"{name} is invalid; it cannot be a null value.")
 
     def query(self, serializer_class: type[serializers.Serializer]) -> dict[str, Any]:
+        """The validated query parameters. A blank value is a value (`limit=` is a 422, as in
+        AGL 0.3), not an absent parameter; list fields take every repeat of their name."""
         self.validation_location = "query"
-        serializer = serializer_class(data=self.request.query_params)
+        params = self.request.query_params
+        fields = serializer_class().fields
+        data = {
+            name: params.getlist(name) if isinstance(fields.get(name), serializers.ListField)
+            else params[name]
+            for name in params
+        }
+        serializer = serializer_class(data=data)
         serializer.is_valid(raise_exception=True)
         return serializer.validated_data
 

@@ -4,7 +4,8 @@ nothing a client sends yields a 500 or a traceback. A database that is down or r
 to repeat, and clients do (runners/client.py).
 
 Bodies: `{"detail": "message"}`, except validation errors (422), which use FastAPI's shape
-as AGL 0.3 does: `{"detail": [{"loc": ["body", "field", ...], "msg": "...", "type": "..."}]}`.
+as AGL 0.3 does: `{"detail": [{"loc": ["body", "field", ...], "msg": "...", "type": "..."}]}`,
+where `loc` starts with where the field was: `body`, `query` (query parameters) or `path`.
 """
 
 from __future__ import annotations
@@ -62,18 +63,34 @@ def _item(loc: list[Any], message: Any) -> dict[str, Any]:
     return {"loc": loc, "msg": str(message), "type": str(code)}
 
 
-def validation_response(detail: Any, where: str = "body") -> Response:
+def validation_response(detail: Any, where: str = "body",
+                        path_params: Any = ()) -> Response:
+    """422 naming each field at fault; a field that is a path parameter is under `path`."""
+    if isinstance(detail, dict) and path_params:
+        in_path = {k: v for k, v in detail.items() if k in path_params}
+        rest = {k: v for k, v in detail.items() if k not in path_params}
+        items = _flatten(in_path, ["path"]) + (_flatten(rest, [where]) if rest else [])
+        return Response({"detail": items}, status=422)
     return Response({"detail": _flatten(detail, [where])}, status=422)
 
 
-def _store_error(exc: StoreError) -> Response:
+def _where(context: dict[str, Any]) -> tuple[str, Any]:
+    """Where the view read its input (`body` or `query`) and its path parameters' names."""
+    view = context.get("view")
+    return getattr(view, "validation_location", "body"), context.get("kwargs") or {}
+
+
+def _store_error(exc: StoreError, context: dict[str, Any]) -> Response:
     if isinstance(exc, NotFound):
         return Response({"detail": str(exc)}, status=404)
     if isinstance(exc, IllegalTransition | ResourceInUse):
         return Response({"detail": str(exc)}, status=409)
     if isinstance(exc, InvalidInput):
-        loc = list(exc.loc) if exc.loc is not None else exc.field.split(".")
-        item = {"loc": ["body", *loc], "msg": exc.message, "type": "value_error"}
+        where, path_params = _where(context)
+        field = list(exc.loc) if exc.loc is not None else exc.field.split(".")
+        if field and field[0] in path_params:
+            where = "path"
+        item = {"loc": [where, *field], "msg": exc.message, "type": "value_error"}
         return Response({"detail": [item]}, status=422)
     return Response({"detail": str(exc)}, status=400)
 
@@ -89,10 +106,10 @@ def _bad_text_in_body(context: dict[str, Any]) -> tuple[tuple, str] | None:
 
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
     if isinstance(exc, StoreError):
-        return _store_error(exc)
+        return _store_error(exc, context)
     if isinstance(exc, exceptions.ValidationError):
-        view = context.get("view")
-        return validation_response(exc.detail, getattr(view, "validation_location", "body"))
+        where, path_params = _where(context)
+        return validation_response(exc.detail, where, path_params)
     if isinstance(exc, RequestDataTooBig):
         return Response({"detail": "request too large"}, status=413)
     if isinstance(exc, SuspiciousOperation):

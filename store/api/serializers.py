@@ -12,6 +12,7 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import exceptions, serializers
 
+from store import selectors
 from store.api import limits
 from store.models import Attempt, ResourceVersion, Rollout, Span, Worker
 from store.statemachine import (
@@ -207,11 +208,47 @@ class UpdateWorkerIn(serializers.Serializer):
     heartbeat_stats = ObjectField(required=False, allow_null=True)
 
 
+BIGINT_MAX = 2**63 - 1  # what the database takes as a LIMIT or OFFSET
+
+
+@extend_schema_field({
+    "anyOf": [{"type": "integer", "enum": [-1]},
+              {"type": "integer", "minimum": 1, "maximum": BIGINT_MAX}],
+    "default": -1, "description": "-1: no limit.",
+})
+class PageLimitField(serializers.IntegerField):
+    """A page's `limit`: -1 or at least 1 (the selector answers AGL's 400 otherwise)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(required=False, default=-1, min_value=-(2**31), max_value=BIGINT_MAX,
+                         **kwargs)
+
+
+@extend_schema_field({"type": "integer", "minimum": 0, "maximum": BIGINT_MAX, "default": 0})
+class PageOffsetField(serializers.IntegerField):
+    """A page's `offset`: at least 0 (the selector answers AGL's 400 otherwise)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(required=False, default=0, min_value=-(2**31), max_value=BIGINT_MAX,
+                         **kwargs)
+
+
+def sort_by_field(fields: Any, default: str | None = None) -> serializers.CharField:
+    """`sort_by`: one of the object's fields (any other name is AGL's 400, by the selector)."""
+
+    @extend_schema_field({"type": "string", "enum": list(fields), "nullable": True,
+                          **({"default": default} if default else {})})
+    class SortByField(serializers.CharField):
+        pass
+
+    extra = {"default": default} if default else {}
+    return SortByField(required=False, allow_null=True, max_length=40, **extra)
+
+
 class _PageIn(serializers.Serializer):
     # Bounds are checked by the selector, with AGL's 400 messages.
-    limit = serializers.IntegerField(required=False, default=-1, min_value=-(2**31))
-    offset = serializers.IntegerField(required=False, default=0, min_value=-(2**31))
-    sort_by = serializers.CharField(required=False, allow_null=True, max_length=40)
+    limit = PageLimitField()
+    offset = PageOffsetField()
     sort_order = serializers.ChoiceField(choices=["asc", "desc"], required=False, default="asc")
 
 
@@ -229,12 +266,11 @@ class QueryRolloutsIn(_FilteredPageIn):
         max_length=10000,
     )
     rollout_id_contains = serializers.CharField(required=False, allow_null=True, max_length=ID_MAX)
+    sort_by = sort_by_field(selectors.ROLLOUT_FIELDS)
 
 
 class QueryAttemptsIn(_PageIn):
-    sort_by = serializers.CharField(
-        required=False, allow_null=True, default="sequence_id", max_length=40
-    )
+    sort_by = sort_by_field(selectors.ATTEMPT_FIELDS, default="sequence_id")
 
 
 class QueryWorkersIn(_FilteredPageIn):
@@ -245,6 +281,7 @@ class QueryWorkersIn(_FilteredPageIn):
     worker_id_contains = serializers.CharField(
         required=False, allow_null=True, max_length=WORKER_ID_MAX
     )
+    sort_by = sort_by_field(selectors.WORKER_FIELDS)
 
 
 class QueryResourcesIn(_PageIn):
@@ -252,14 +289,13 @@ class QueryResourcesIn(_PageIn):
     resources_id_contains = serializers.CharField(
         required=False, allow_null=True, max_length=ID_MAX
     )
+    sort_by = sort_by_field(selectors.RESOURCES_FIELDS)
 
 
 class QuerySpansIn(_FilteredPageIn):
     rollout_id = serializers.CharField(max_length=ID_MAX)
     attempt_id = serializers.CharField(required=False, allow_null=True, max_length=ID_MAX)
-    sort_by = serializers.CharField(
-        required=False, allow_null=True, default="sequence_id", max_length=40
-    )
+    sort_by = sort_by_field(selectors.SPAN_FIELDS, default="sequence_id")
     trace_id = serializers.CharField(required=False, allow_null=True, max_length=64)
     trace_id_contains = serializers.CharField(required=False, allow_null=True, max_length=64)
     span_id = serializers.CharField(required=False, allow_null=True, max_length=32)

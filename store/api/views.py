@@ -382,7 +382,10 @@ class GetResourcesView(StoreView):
         self.validation_location = "query"
         version = s.serializers.IntegerField(required=False, min_value=1, max_value=2**31 - 1)
         raw = request.query_params.get("version")
-        wanted = version.run_validation(raw) if raw is not None else None
+        try:
+            wanted = version.run_validation(raw) if raw is not None else None
+        except s.serializers.ValidationError as exc:
+            raise s.serializers.ValidationError({"version": exc.detail}) from None
         row = selectors.resources_get(
             project=self.project, resources_id=resources_id, version=wanted
         )

@@ -141,6 +141,27 @@ def test_bad_query_parameters_are_422(algo):
     assert algo.get("/spans").status_code == 422  # rollout_id is required
 
 
+@pytest.mark.parametrize("path,field", [
+    ("/rollouts?limit=", ["query", "limit"]),  # blank is a value, as in AGL 0.3, not "absent"
+    ("/rollouts/ro-1/attempts?sort_order=", ["query", "sort_order"]),
+    ("/workers?limit=99999999999999999999", ["query", "limit"]),  # was the database's 400
+    ("/resources/rs-1?version=abc", ["query", "version"]),
+])
+def test_query_parameter_errors_name_the_query_and_the_parameter(algo, path: str, field: list):
+    response = algo.get(path)
+    assert response.status_code == 422, response.text
+    assert [item["loc"] for item in response.json()["detail"]] == [field]
+
+
+def test_path_parameter_errors_say_path(algo):
+    response = algo.post("/workers/" + "w" * 201, json={})
+    assert response.status_code == 422
+    assert response.json()["detail"][0]["loc"] == ["path", "worker_id"]
+    response = algo.post("/resources/" + "r" * 41, json={"main": {"resource_type": "x"}})
+    assert response.status_code == 422
+    assert response.json()["detail"][0]["loc"] == ["path", "resources_id"]
+
+
 @pytest.mark.parametrize("raw", [b"{bad json", b"[1, 2", b"\xff\xfe", b'{"rollouts": [}'])
 def test_malformed_json_is_400_without_a_traceback(algo, raw: bytes):
     response = algo.post("/queues/rollouts/enqueue", content=raw,

@@ -22,6 +22,56 @@ def test_schema_lists_every_agl_route(api_server):
     assert {"ApiKeyBearer", "ApiKeyBasic"} <= set(schema["components"]["securitySchemes"])
 
 
+def _operations(schema):
+    for path, operations in schema["paths"].items():
+        for method, operation in operations.items():
+            yield path, method, operation
+
+
+def test_schema_tells_the_truth(api_server):
+    """Each operation declares its error answers, its `null` answers, either auth scheme
+    (not both together) and exact parameters."""
+    schema = httpx.get(api_server.url + "/api/schema/?format=json").json()
+    ops = {op["operationId"]: (path, method, op) for path, method, op in _operations(schema)}
+    for op_id, (_path, _method, op) in ops.items():
+        statuses = set(op["responses"])
+        assert "413" in statuses, op_id
+        if op_id == "health":
+            assert "security" not in op or op["security"] in ([], [{}])
+            continue
+        assert op["security"] == [{"ApiKeyBearer": []}, {"ApiKeyBasic": []}], op_id
+        assert {"401", "503"} <= statuses, op_id
+        assert op["responses"]["503"]["headers"]["Retry-After"]["required"] is True
+        if "requestBody" in op:
+            assert {"400", "415", "422"} <= statuses, op_id
+        for param in op.get("parameters", []):
+            if param["in"] == "path":
+                assert param["schema"]["minLength"] == 1, (op_id, param)
+    for op_id in ("enqueue_rollouts", "start_rollout", "update_rollout", "delete_resources",
+                  "add_resources", "create_project"):
+        assert "403" in ops[op_id][2]["responses"], op_id
+    assert "403" not in ops["dequeue_rollouts"][2]["responses"]
+    for op_id in ("get_rollout_by_id", "get_attempt", "update_attempt", "delete_resources"):
+        assert "404" in ops[op_id][2]["responses"], op_id
+    for op_id in ("update_rollout", "update_attempt", "finish_attempt", "delete_resources"):
+        assert "409" in ops[op_id][2]["responses"], op_id
+    for op_id in ("wait_for_rollouts", "dequeue_rollouts"):
+        assert ops[op_id][2]["responses"]["429"]["headers"]["Retry-After"]["required"]
+    assert "411" in ops["otlp_traces"][2]["responses"]
+    for op_id in ("get_worker", "claim_rollout", "add_span", "get_attempt",
+                  "get_latest_resources"):
+        ok = next(r for s, r in ops[op_id][2]["responses"].items() if s.startswith("2"))
+        assert ok["content"]["application/json"]["schema"]["nullable"] is True, op_id
+    query = {p["name"]: p["schema"] for p in ops["query_rollouts"][2]["parameters"]}
+    assert "rollout_id" in query["sort_by"]["enum"] and "bogus" not in query["sort_by"]["enum"]
+    assert query["offset"]["minimum"] == 0
+    assert [c.get("enum") for c in query["limit"]["anyOf"]] == [[-1], None]
+    update = schema["components"]["schemas"]["UpdateAttemptInRequest"]["properties"]
+    assert "nullable" not in update["status"]  # an explicit null is AGL's 400
+    errors = schema["components"]["schemas"]
+    assert errors["ValidationError"]["properties"]["detail"]["type"] == "array"
+
+
 def test_docs_page_serves_its_assets_locally(api_server):
     page = httpx.get(api_server.url + "/api/docs/")
     assert page.status_code == 200
