@@ -91,7 +91,7 @@ DESCRIPTIONS = {
     404: "No such id in this key's project.",
     409: "Not allowed in the object's current state (a finished attempt given another verdict, "
          "resources in use).",
-    411: "The upload has no Content-Length.",
+    411: "A chunked body (no Content-Length) where the server in front does not end it.",
     413: "The request body (or its spans) is over the size limits.",
     415: "Unsupported Content-Type.",
     422: "Invalid input: the field at fault is named in `loc`.",
@@ -101,13 +101,12 @@ DESCRIPTIONS = {
 
 # Operations (by operationId) whose store call can refuse a state change (409).
 CONFLICTS = frozenset({
-    "update_rollout", "update_attempt", "finish_attempt", "update_attempts_batch",
-    "delete_resources", "enqueue_rollouts", "start_rollout",
+    "update_attempt", "finish_attempt", "update_attempts_batch", "delete_resources",
 })
+# Operations without a path id that name ids in their body (404 when one is unknown).
+NOT_FOUND_IN_BODY = frozenset({"update_attempts_batch", "add_span", "add_spans_batch"})
 # Server-side waits, capped per key and per project (429).
 WAITS = frozenset({"wait_for_rollouts", "dequeue_rollouts"})
-# OTLP uploads, which must say their length (411).
-UPLOADS = frozenset({"otlp_traces"})
 # Operations whose answer may name cancelled rollouts in X-Cancelled-Rollouts.
 CANCELLING = frozenset({
     "update_attempt", "update_attempts_batch", "add_span", "add_spans_batch", "otlp_traces",
@@ -154,7 +153,8 @@ def _statuses(view: type, method: str, operation: dict[str, Any]) -> dict[int, d
     in_query = any(p["in"] == "query" for p in params)
     has_body = "requestBody" in operation
     keyed = bool(view.authentication_classes)
-    out: dict[int, dict[str, Any]] = {413: _error(413)}
+    # A chunked body is refused (411) where the server does not end it (base.py).
+    out: dict[int, dict[str, Any]] = {411: _error(411), 413: _error(413)}
     if has_body:
         out[400] = _error(400)
         out[415] = _error(415)
@@ -169,14 +169,12 @@ def _statuses(view: type, method: str, operation: dict[str, Any]) -> dict[int, d
         out[503] = _error(503, headers=RETRY_AFTER)
         if getattr(view, f"{method}_roles", ANY_ROLE) != ANY_ROLE:
             out[403] = _error(403)
-    if in_path and op_id not in NEVER_NOT_FOUND:
+    if (in_path and op_id not in NEVER_NOT_FOUND) or op_id in NOT_FOUND_IN_BODY:
         out[404] = _error(404)
     if op_id in CONFLICTS:
         out[409] = _error(409)
     if op_id in WAITS:
         out[429] = _error(429, headers=RETRY_AFTER)
-    if op_id in UPLOADS:
-        out[411] = _error(411)
     return out
 
 
