@@ -19,6 +19,7 @@ from store.models import (
     ResourceSet,
     ResourceVersion,
     Rollout,
+    RolloutGroup,
     Span,
     Worker,
 )
@@ -370,3 +371,20 @@ class WorkerAdmin(admin.ModelAdmin):
                     "current_rollout_id")
     list_filter = ("project", "status")
     search_fields = ("worker_id",)
+
+
+@admin.register(RolloutGroup)
+class RolloutGroupAdmin(admin.ModelAdmin):
+    list_display = ("key", "project", "owner", "finished", "total", "completed_at", "members")
+    list_filter = ("owner", "project")
+    search_fields = ("=key",)
+    readonly_fields = ("project", "key", "owner", "total", "finished", "created_at",
+                       "completed_at", "members")
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+    @admin.display(description="Rollouts")
+    def members(self, obj: RolloutGroup) -> str:
+        url = reverse("admin:store_rollout_changelist") + f"?group__id__exact={obj.pk}"
+        return format_html('<a href="{}">{} rollouts</a>', url, obj.total)

@@ -53,3 +53,29 @@ def _call(rollouts: list[Rollout]) -> None:
             callback(rollouts)
         except Exception:  # a listener's bug must not break the store's writer
             log.exception("rollouts-finished callback %r failed", callback)
+
+
+# Nudges for rollout groups' owners. A completion is a row (store.models.GroupCompletion)
+# written in the transaction that finished the group; the nudge only says "take yours now"
+# after commit, in this process. An owner that misses it (this process died) takes the row
+# later from its periodic sweep, so the nudge carries no data and losing it loses nothing.
+CompletedCallback = Callable[[], None]
+_completed_callbacks: dict[str, list[CompletedCallback]] = {}
+
+
+def on_groups_completed(owner: str, callback: CompletedCallback) -> CompletedCallback:
+    """Register `callback()` for completions of groups owned by `owner`. Idempotent."""
+    callbacks = _completed_callbacks.setdefault(owner, [])
+    if callback not in callbacks:
+        callbacks.append(callback)
+    return callback
+
+
+def notify_groups_completed(owners: Iterable[str]) -> None:
+    """Called by the store after the commit that wrote completions of these owners' groups."""
+    for owner in owners:
+        for callback in list(_completed_callbacks.get(owner, ())):
+            try:
+                callback()
+            except Exception:  # a listener's bug must not break the store's writer
+                log.exception("groups-completed callback %r failed", callback)

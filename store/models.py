@@ -131,6 +131,12 @@ class Rollout(models.Model):
     dispatch_count = models.PositiveIntegerField(default=0)
     # AGL's span sequence counter: one per rollout, shared by its attempts.
     next_span_sequence_id = models.PositiveIntegerField(default=1)
+    # The batch an algorithm waits on (a training step's rollouts); set at enqueue only, by
+    # the algorithm's own services, never from a client's request.
+    group = models.ForeignKey(
+        "RolloutGroup", null=True, blank=True, on_delete=models.SET_NULL,
+        related_name="rollouts", db_index=False,
+    )
 
     class Meta:
         indexes = [
@@ -157,6 +163,8 @@ class Rollout(models.Model):
             models.Index(fields=["project", "status"], name="rollout_project_status"),
             models.Index(fields=["project", "start_time"], name="rollout_project_start"),
             models.Index(fields=["resources_id", "resources_version"], name="rollout_resources"),
+            models.Index(fields=["group"], name="rollout_group",
+                         condition=Q(group__isnull=False)),
         ]
         constraints = [
             models.UniqueConstraint(
@@ -168,6 +176,54 @@ class Rollout(models.Model):
 
     def __str__(self) -> str:
         return self.id
+
+
+class RolloutGroup(models.Model):
+    """A batch of rollouts an algorithm waits on (a training step's rollouts), as data: how
+    many it holds and how many of them are terminal. Both counts change in the transaction
+    that enqueues a member or makes one terminal (or reopens it), so they are never behind
+    the rollouts. Reaching `finished == total` writes a `GroupCompletion` in that same
+    transaction: the durable event its owner consumes."""
+
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="groups")
+    # Chosen by the creator, unique per project (the trainer: "trainer/step/<pk>/r<round>").
+    key = models.CharField(max_length=200)
+    # Who consumes its completions ("trainer").
+    owner = models.CharField(max_length=40)
+    total = models.PositiveIntegerField(default=0)
+    finished = models.PositiveIntegerField(default=0)
+    created_at = models.DateTimeField(auto_now_add=True)
+    # When `finished` last reached `total`; None while members are open.
+    completed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["project", "key"], name="rolloutgroup_key_uniq")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.key} ({self.finished}/{self.total})"
+
+
+class GroupCompletion(models.Model):
+    """A group's members all became terminal: an event for the group's owner, consumed once
+    by compare-and-swap on `processed_at` (healthchecks' Flip rows), so a reaction that a
+    process missed (it died after the commit) is made by the next consumer."""
+
+    group = models.ForeignKey(RolloutGroup, on_delete=models.CASCADE, related_name="completions")
+    owner = models.CharField(max_length=40)
+    created_at = models.DateTimeField()
+    processed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        indexes = [
+            # consumers: an owner's unprocessed events, oldest first
+            models.Index(fields=["owner", "created_at"], name="groupcompletion_pending",
+                         condition=Q(processed_at__isnull=True)),
+        ]
+
+    def __str__(self) -> str:
+        return f"group {self.group_id} completed at {self.created_at}"
 
 
 class Attempt(models.Model):

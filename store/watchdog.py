@@ -15,7 +15,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from store import hooks, wakeups
+from store import wakeups
 from store.models import Attempt, Rollout
 from store.services._bulk import bulk_set
 from store.services._common import (
@@ -25,6 +25,7 @@ from store.services._common import (
     set_attempt_status,
     worker_sync_for_attempts,
 )
+from store.services.groups import rollouts_finished
 from store.statemachine import (
     ATTEMPT_LIVE,
     QUEUED,
@@ -133,7 +134,7 @@ def _sweep_attempts(now: datetime, batch_size: int, result: SweepResult,
             worker_sync_for_attempts(project_id, mine, now)
         for project_id in {changed[rid].project_id for rid in result.requeued if rid in changed}:
             wakeups.announce(wakeups.QUEUED, project_id)
-        hooks.notify_rollouts_finished(finished)
+        rollouts_finished(finished, now)
     return len(attempts)
 
 
@@ -168,5 +169,5 @@ def _expire_queue_waits(now: datetime, batch_size: int, result: SweepResult,
             result.queue_expired.append(rollout.pk)
         if rollouts:
             bulk_set(rollouts, ["status", "end_time", "metadata"])
-            hooks.notify_rollouts_finished(rollouts)
+            rollouts_finished(rollouts, now)
     return len(rollouts)

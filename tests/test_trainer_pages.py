@@ -60,13 +60,16 @@ def test_job_pages_show_plots_steps_checkpoints_and_admin_links(staff_client, tr
     html = page.text
     assert html.count('<svg class="chart"') == 3
     assert "Reward per step" in html and "validation" in html
-    assert "/admin/store/rollout/?idempotency_key__startswith=job%2F" in html
+    first = trained_job.steps.get(n=0)
+    assert f"/admin/store/rollout/?group__id__exact={first.group_id}" in html
     assert "Checkpoint history" in html and "(best)" in html
     assert "no live worker serves queue &#x27;training&#x27;" in html  # the worker registry
     assert "<script" not in html and "http://" not in html.replace("http://www.w3.org", "")
-    admin = staff_client.get(f"/admin/store/rollout/?idempotency_key__startswith="
-                             f"job/{trained_job.pk}/step/0/")
+    admin = staff_client.get(f"/admin/store/rollout/?group__id__exact={first.group_id}")
     assert admin.status_code == 200
+    assert f"{first.rollout_count + first.val_rollout_count} rollouts" in admin.text
+    groups = staff_client.get("/admin/store/rolloutgroup/")
+    assert groups.status_code == 200 and f"trainer/step/{first.pk}/r0" in groups.text
     assert staff_client.get("/admin/trainer/trainingjob/").status_code == 200
     assert staff_client.get("/admin/trainer/trainingstep/").status_code == 200
 

@@ -94,7 +94,8 @@ def test_checkpoints_round_trip_and_a_corrupt_file_is_refused(settings, tmp_path
 
 def test_the_trainer_plugs_into_the_store_hook_and_the_control_sweep():
     assert control._reconcilers["training_steps"] is services.steps_redispatch
-    assert reactions.rollouts_finished in hooks._finished_callbacks
+    assert control._reconcilers["training_groups"] is reactions.groups_completed
+    assert reactions.groups_completed in hooks._completed_callbacks["trainer"]
 
 
 def test_a_process_that_never_trains_never_loads_torch():

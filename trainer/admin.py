@@ -1,12 +1,10 @@
 from __future__ import annotations
 
-from urllib.parse import urlencode
-
 from django.contrib import admin, messages
 from django.urls import reverse
 from django.utils.html import format_html
 
-from trainer import services
+from trainer import selectors, services
 from trainer.models import TrainingJob, TrainingStep
 
 
@@ -60,8 +58,5 @@ class TrainingStepAdmin(admin.ModelAdmin):
 
     @admin.display(description="Rollouts")
     def rollouts(self, obj: TrainingStep) -> str:
-        prefix = f"job/{obj.job_id}/step/{obj.n}/" + (f"r{obj.round}/" if obj.round else "")
-        url = reverse("admin:store_rollout_changelist") + "?" + urlencode(
-            {"idempotency_key__startswith": prefix})
-        return format_html('<a href="{}">{} rollouts</a>', url,
+        return format_html('<a href="{}">{} rollouts</a>', selectors.step_rollouts_url(obj),
                            obj.rollout_count + obj.val_rollout_count)

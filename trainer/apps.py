@@ -12,9 +12,12 @@ class TrainerConfig(AppConfig):
         # Django's documented place for wiring that needs models: they load only after the
         # app registry is ready, which is why this import is here and not at the top.
         from trainer import reactions, services
+        from trainer.models import GROUP_OWNER
 
-        # The store's one explicit hook: finished rollouts may complete a training step.
-        hooks.on_rollouts_finished(reactions.rollouts_finished)
+        # A step's rollout group finished: the store wrote a completion row; its nudge makes
+        # the finishing process take it at once, the control sweep takes what a nudge missed.
+        hooks.on_groups_completed(GROUP_OWNER, reactions.groups_completed)
+        register_reconciler("training_groups", reactions.groups_completed)
         # The control sweep re-sends training steps left by a dead worker (and steps whose
-        # finished-rollouts hook was missed, or whose deadline passed).
+        # completion was not acted on, or whose deadline passed).
         register_reconciler("training_steps", services.steps_redispatch)

@@ -9,7 +9,8 @@ from __future__ import annotations
 from lightning_site.publish import Message, publish
 from lightning_site.queues import Queue
 from store import services as store_services
-from trainer.models import TrainingStep
+from trainer.models import STEP_OPEN
+from trainer.statemachine import step_move
 
 TRAIN_STEP_TASK = "trainer.train_step"
 # The runners app's rollout task and dispatch name (runners.services.RUN_ROLLOUT_TASK, CELERY).
@@ -22,7 +23,7 @@ CELERY_DISPATCH = "celery"
 def send_train_step(step_id: int) -> None:
     if publish([Message(TRAIN_STEP_TASK, {"step_id": step_id}, Queue.TRAINING.value)]):
         # Never sent: the trainer sweep sends a step with no `sent_at` at once.
-        TrainingStep.objects.filter(pk=step_id).update(sent_at=None)
+        step_move(step_id, expect=STEP_OPEN, to=None, sent_at=None)
 
 
 def send_rollouts(project_id: int, rollout_ids: list[str]) -> None:

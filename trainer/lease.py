@@ -16,9 +16,11 @@ from contextlib import contextmanager
 from datetime import timedelta
 
 from django.db import connection
+from django.db.models import Q
 from django.utils import timezone
 
 from trainer.models import StepStatus, TrainingStep
+from trainer.statemachine import step_move
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +38,10 @@ def lease_kept(step: TrainingStep, lease_seconds: float) -> Iterator[None]:
         try:
             while not stop.wait(lease_seconds / 3):
                 try:
-                    held = TrainingStep.objects.filter(
-                        pk=step.pk, status=StepStatus.TRAINING, attempts=step.attempts
-                    ).update(lease_until=timezone.now() + timedelta(seconds=lease_seconds))
+                    held = step_move(
+                        step.pk, expect=[StepStatus.TRAINING], to=None,
+                        where=Q(attempts=step.attempts),
+                        lease_until=timezone.now() + timedelta(seconds=lease_seconds))
                 except Exception:  # the database is briefly away: try again next time
                     log.warning("step %s: could not renew its lease", step.pk, exc_info=True)
                     continue

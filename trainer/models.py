@@ -76,9 +76,12 @@ class TrainingStep(models.Model):
     # The checkpoint version this step's rollouts ran against, and the one it produced.
     resources_version = models.PositiveIntegerField()
     produced_version = models.PositiveIntegerField(null=True, blank=True)
-    # Rollouts carry the idempotency key "job/<job>/step/<n>/<i>" (".../r<round>/<i>" once a
-    # resumed job plans the step again); the counts are what the plan asked for.
+    # The step's rollouts are the members of `group` (store.models.RolloutGroup, key
+    # "trainer/step/<pk>/r<round>"); a step planned again (a retry, a resumed job) gets a new
+    # round and a new group. The counts are what the plan asked for.
     round = models.PositiveIntegerField(default=0)
+    group = models.ForeignKey("store.RolloutGroup", null=True, blank=True,
+                              on_delete=models.SET_NULL, related_name="training_steps")
     rollout_count = models.PositiveIntegerField(default=0)
     val_rollout_count = models.PositiveIntegerField(default=0)
     # Past this instant the step trains on what finished and cancels the rest.
@@ -113,23 +116,17 @@ class TrainingStep(models.Model):
     def __str__(self) -> str:
         return f"job {self.job_id} step {self.n}"
 
-    def rollout_keys(self) -> list[str]:
-        total = self.rollout_count + self.val_rollout_count
-        return [rollout_key(self.job_id, self.n, self.round, i) for i in range(total)]
+    def group_keys(self) -> list[str]:
+        """Keys of the rollout groups of every round of the step, oldest first."""
+        return [group_key(self.pk, r) for r in range(self.round + 1)]
 
 
-def rollout_key(job_id: int, n: int, round: int, index: int) -> str:
-    """The idempotency key of a step's rollout: a re-sent plan creates nothing new."""
-    middle = f"r{round}/" if round else ""
-    return f"job/{job_id}/step/{n}/{middle}{index}"
+# The owner of the trainer's rollout groups (store.models.RolloutGroup.owner).
+GROUP_OWNER = "trainer"
 
 
-def parse_rollout_key(key: str | None) -> tuple[int, int] | None:
-    """(job id, step n) of a trainer rollout's idempotency key; None for other rollouts."""
-    parts = (key or "").split("/")
-    if len(parts) < 5 or parts[0] != "job" or parts[2] != "step":
-        return None
-    try:
-        return int(parts[1]), int(parts[3])
-    except ValueError:
-        return None
+def group_key(step_id: int, round: int) -> str:
+    """The key of the rollout group a step's round of rollouts belongs to. A group key is no
+    idempotency key: only the trainer's services create groups, so no client's rollout can
+    join one."""
+    return f"trainer/step/{step_id}/r{round}"

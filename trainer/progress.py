@@ -8,7 +8,6 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
-from store.statemachine import ROLLOUT_TERMINAL
 from trainer import selectors
 from trainer.models import JOB_TERMINAL, StepStatus, TrainingJob
 
@@ -30,9 +29,7 @@ def snapshot(job_id: int) -> Snapshot:
     current = job.steps.order_by("-n").values_list("n", flat=True).first()
     train = next((m["train_reward"] for _, m in reversed(done) if "train_reward" in m), None)
     val = next((m["val_reward"] for _, m in reversed(done) if "val_reward" in m), None)
-    counts = selectors.job_rollout_counts(job=job)
-    finished = sum(n for status, n in counts.items() if status in ROLLOUT_TERMINAL)
-    return Snapshot(job, len(done), current, train, val, finished)
+    return Snapshot(job, len(done), current, train, val, selectors.job_finished_count(job=job))
 
 
 def follow(job_id: int, *, poll: float = 0.5, file: TextIO | None = None,

@@ -1,21 +1,28 @@
-"""The trainer's reaction to the store's hook: finished rollouts may complete their step."""
+"""The trainer's reaction to its rollout groups' completions (store.models.GroupCompletion):
+a step whose group finished may become ready."""
 
 from __future__ import annotations
 
-from store.models import Rollout
+from django.db import transaction
+
+from store import services as store_services
 from trainer import services
-from trainer.models import StepStatus, TrainingStep, parse_rollout_key
+from trainer.models import GROUP_OWNER, StepStatus, TrainingStep
 
 
-def rollouts_finished(rollouts: list[Rollout]) -> None:
-    """Called by the store after commit with rollouts that became terminal. Their keys map
-    them to steps (no query for rollouts of no job); each rolling step is checked
-    (compare-and-swap, so concurrent callers send its train task once)."""
-    steps = {parsed for rollout in rollouts
-             if (parsed := parse_rollout_key(rollout.idempotency_key))}
-    for job_id, n in sorted(steps):
-        step_id = TrainingStep.objects.filter(
-            job_id=job_id, n=n, status=StepStatus.ROLLING
-        ).values_list("pk", flat=True).first()
-        if step_id is not None:
+def groups_completed() -> int:
+    """Take the trainer's pending group completions (compare-and-swap: each is taken once,
+    by whichever process comes first) and check the rolling steps whose group they name, in
+    one transaction: a reaction that fails leaves its events for the next taker. Run after
+    the commit that completed a group (the store's nudge, in that process) and by the
+    periodic control sweep (a nudge lost with its process). Returns the events taken."""
+    with transaction.atomic():
+        events = store_services.group_completions_take(owner=GROUP_OWNER)
+        if not events:
+            return 0
+        steps = TrainingStep.objects.filter(
+            group_id__in=[e.group_id for e in events], status=StepStatus.ROLLING
+        ).order_by("pk").values_list("pk", flat=True)
+        for step_id in list(steps):
             services.step_check_ready(step_id=step_id)
+    return len(events)

@@ -8,20 +8,32 @@ from datetime import datetime
 from typing import Any
 from urllib.parse import urlencode
 
-from django.db.models import Count, F, Q
+from django.db.models import Count, F, Q, Sum
 from django.urls import reverse
 
-from store.models import ResourceVersion, Rollout, Span
+from store.models import ResourceVersion, Rollout, RolloutGroup, Span
 from store.statemachine import ROLLOUT_TERMINAL
 from trainer.algorithms import FinishedRollout
 from trainer.models import StepStatus, TrainingJob, TrainingStep
 
 
 def step_rollouts(*, step: TrainingStep) -> Any:
-    """The step's rollouts (all statuses), as a queryset served by the idempotency-key index."""
-    return Rollout.objects.filter(
-        project_id=step.job.project_id, idempotency_key__in=step.rollout_keys()
-    )
+    """The step's rollouts of its current round (all statuses): the members of its group,
+    served by the index rollout_group."""
+    if step.group_id is None:
+        return Rollout.objects.none()
+    return Rollout.objects.filter(group_id=step.group_id)
+
+
+def job_groups(*, job: TrainingJob) -> Any:
+    """The rollout groups of every step and round of the job (found by their unique keys)."""
+    keys = [key for step in job.steps.only("pk", "round") for key in step.group_keys()]
+    return RolloutGroup.objects.filter(project_id=job.project_id, key__in=keys)
+
+
+def job_rollouts(*, job: TrainingJob) -> Any:
+    """Every rollout the job planned, through its groups (no key parsing, no LIKE)."""
+    return Rollout.objects.filter(group__in=job_groups(job=job))
 
 
 def step_open_rollout_ids(*, step: TrainingStep) -> list[str]:
@@ -34,7 +46,9 @@ def step_finished_rollouts(*, step: TrainingStep) -> list[FinishedRollout]:
     """Terminal rollouts of the step with the spans of their latest attempt, in plan order."""
     rollouts = list(
         step_rollouts(step=step).filter(status__in=ROLLOUT_TERMINAL)
-        .values("pk", "mode", "status", "input", "idempotency_key")
+        .values("pk", "mode", "status", "input")
+        # plan order: one enqueue stamps its rollouts' start_time a microsecond apart
+        .order_by("start_time", "pk")
     )
     spans: dict[str, list[dict[str, Any]]] = defaultdict(list)
     rows = Span.objects.filter(
@@ -42,8 +56,6 @@ def step_finished_rollouts(*, step: TrainingStep) -> list[FinishedRollout]:
     ).values("rollout_id", "name", "attributes", "sequence_id")
     for row in rows.iterator():
         spans[row["rollout_id"]].append(row)
-    order = {key: i for i, key in enumerate(step.rollout_keys())}
-    rollouts.sort(key=lambda r: order[r["idempotency_key"]])
     return [
         FinishedRollout(rollout_id=r["pk"], mode=r["mode"] or "train", status=r["status"],
                         input=r["input"], spans=spans[r["pk"]])
@@ -56,11 +68,19 @@ def step_rollout_counts(*, step: TrainingStep) -> dict[str, int]:
 
 
 def job_rollout_counts(*, job: TrainingJob) -> dict[str, int]:
-    return dict(
-        Rollout.objects.filter(project_id=job.project_id,
-                               idempotency_key__startswith=f"job/{job.pk}/")
-        .values_list("status").annotate(n=Count("pk"))
-    )
+    return dict(job_rollouts(job=job).values_list("status").annotate(n=Count("pk")))
+
+
+def job_finished_count(*, job: TrainingJob) -> int:
+    """How many of the job's rollouts finished: the sum of its groups' counters (a progress
+    poll reads a few group rows, never the rollouts)."""
+    return job_groups(job=job).aggregate(n=Sum("finished"))["n"] or 0
+
+
+def step_rollouts_url(step: TrainingStep) -> str:
+    """The admin's rollout list filtered to the step's current group."""
+    return (reverse("admin:store_rollout_changelist")
+            + "?" + urlencode({"group__id__exact": step.group_id or 0}))
 
 
 def job_checkpoints(*, job: TrainingJob) -> list[ResourceVersion]:
@@ -95,10 +115,7 @@ def step_rows(*, job: TrainingJob) -> list[StepRow]:
     for step in job.steps.order_by("n"):
         wait = _seconds_between(step.timings, "planned", "ready")
         total = step.rollout_count + step.val_rollout_count
-        prefix = f"job/{job.pk}/step/{step.n}/" + (f"r{step.round}/" if step.round else "")
-        url = (reverse("admin:store_rollout_changelist")
-               + "?" + urlencode({"idempotency_key__startswith": prefix}))
-        rows.append(StepRow(step, wait, total / wait if wait else None, url))
+        rows.append(StepRow(step, wait, total / wait if wait else None, step_rollouts_url(step)))
     return rows
 
 

@@ -2,7 +2,8 @@
 by compare-and-swap. Files and torch work happen outside transactions.
 
 The loop (DESIGN.md "The training loop as data"): `job_start` writes checkpoint 0 and plans
-step 0; rollouts finish (store hook -> `step_check_ready`); the train-step task runs
+step 0; its rollouts finish (the store counts them in the step's rollout group and writes a
+completion, which trainer.reactions takes -> `step_check_ready`); the train-step task runs
 `step_train`: claim, learn, then `_step_finish` writes checkpoint k+1 and plans step n+1 in one
 transaction. The final step (n == steps) only evaluates. `steps_sweep` re-sends what a dead
 process left behind.
@@ -26,20 +27,22 @@ from lightning_site.processes import process_alive
 from store import selectors as store_selectors
 from store import services as store_services
 from store.errors import IllegalTransition, InvalidInput
-from store.models import Project, Rollout
+from store.models import Project
 from store.services import RolloutSpec
 from store.statemachine import ROLLOUT_TERMINAL, RolloutConfig, RolloutStatus
 from trainer import checkpoints, delivery, selectors
 from trainer.algorithms import Algorithm, algorithm_load
 from trainer.lease import lease_kept
 from trainer.models import (
+    GROUP_OWNER,
     STEP_OPEN,
     JobStatus,
     StepStatus,
     TrainingJob,
     TrainingStep,
-    rollout_key,
+    group_key,
 )
+from trainer.statemachine import step_move
 
 # Defaults of a job's config; the config given to job_create overrides them.
 JOB_DEFAULTS: dict[str, Any] = {
@@ -130,34 +133,46 @@ def job_start(*, job_id: int) -> TrainingJob:
 
 def _step_plan(job: TrainingJob, algorithm: Algorithm, *, n: int, resources_version: int,
                round: int = 0, attempts: int = 0, error: str = "") -> TrainingStep:
-    """Create step n (inside the caller's transaction), enqueue its rollouts with idempotency
-    keys, and send them (and the train task, for an empty plan) after commit."""
+    """Create step n (inside the caller's transaction) with a new rollout group for this
+    round, enqueue its rollouts into that group, and send them (and the train task, for an
+    empty plan) after commit. Planning a round whose group exists creates nothing new."""
     config = job_config(job)
     planned = algorithm.plan(step=n, final=n >= config["steps"],
                              train_dataset=job.train_dataset, val_dataset=job.val_dataset)
     planned.sort(key=lambda p: p.mode != "train")  # train first, then val: keys follow order
     now = _now()
-    step, _ = TrainingStep.objects.update_or_create(
-        job=job, n=n,
-        defaults={
-            "status": StepStatus.ROLLING, "round": round, "resources_version": resources_version,
-            "rollout_count": sum(1 for p in planned if p.mode == "train"),
-            "val_rollout_count": sum(1 for p in planned if p.mode != "train"),
-            "deadline": now + timedelta(seconds=config["step_timeout_seconds"]),
-            "attempts": attempts, "lease_until": None, "error": error,
-            "produced_version": None,
-            "timings": {"planned": _iso(now)}, "metrics": {},
-        },
-    )
+    fields = {
+        "round": round, "resources_version": resources_version,
+        "rollout_count": sum(1 for p in planned if p.mode == "train"),
+        "val_rollout_count": sum(1 for p in planned if p.mode != "train"),
+        "deadline": now + timedelta(seconds=config["step_timeout_seconds"]),
+        "attempts": attempts, "lease_until": None, "error": error, "produced_version": None,
+        "timings": {"planned": _iso(now)}, "metrics": {},
+    }
+    step = TrainingStep.objects.filter(job=job, n=n).first()
+    if step is None:
+        step = TrainingStep.objects.create(job=job, n=n, status=StepStatus.ROLLING, **fields)
+    else:  # planned again: a new round (the caller holds the job's row)
+        if not step_move(step.pk, expect=[step.status], to=StepStatus.ROLLING, now=now,
+                         **fields):
+            raise JobError(f"step {n} of job {job.pk} changed while planning; try again")
+        step.refresh_from_db()
+    group, created = store_services.group_create(
+        project=job.project, key=group_key(step.pk, round), owner=GROUP_OWNER)
+    TrainingStep.objects.filter(pk=step.pk).update(group=group)
+    step.group = group
+    if not created:
+        return step
     specs = [
         RolloutSpec(
             input=p.input, mode=p.mode, resources_id=job.resources_id,
-            config=config["rollout_config"], idempotency_key=rollout_key(job.pk, n, round, i),
+            config=config["rollout_config"],
             metadata={"trainer.job": job.pk, "trainer.step": n},
         )
-        for i, p in enumerate(planned)
+        for p in planned
     ]
-    rollouts = store_services.rollout_enqueue_many(project=job.project, specs=specs)
+    rollouts = store_services.rollout_enqueue_many(project=job.project, specs=specs,
+                                                   group=group)
     # Delivered by Celery messages: the store records it, so the reconciliation sweep sends
     # again any message lost on the way.
     marked = store_services.rollout_dispatch_set(
@@ -172,23 +187,24 @@ def _step_plan(job: TrainingJob, algorithm: Algorithm, *, n: int, resources_vers
 
 
 def step_check_ready(*, step_id: int, now: datetime | None = None) -> bool:
-    """rolling -> ready when every rollout of the step is terminal, or when its deadline
-    passed (the rest are cancelled). Sends the train task after commit. True if it moved."""
+    """rolling -> ready when the step's rollout group finished (the store's counters), or
+    when its deadline passed (the rest are cancelled). Sends the train task after commit.
+    True if it moved."""
     now = now or _now()
-    step = TrainingStep.objects.select_related("job").filter(pk=step_id).first()
+    step = TrainingStep.objects.select_related("job", "group").filter(pk=step_id).first()
     if step is None:  # its job was deleted
         return False
     if step.status != StepStatus.ROLLING or step.job.status != JobStatus.RUNNING:
         return False
-    open_ids = selectors.step_open_rollout_ids(step=step)
+    finished = step.group is None or step.group.finished >= step.group.total
     overdue = step.deadline is not None and step.deadline <= now
-    if open_ids and not overdue:
+    if not finished and not overdue:
         return False
+    open_ids = [] if finished else selectors.step_open_rollout_ids(step=step)
     timings = {**step.timings, "ready": _iso(now)}
     with transaction.atomic():
-        moved = TrainingStep.objects.filter(pk=step.pk, status=StepStatus.ROLLING).update(
-            status=StepStatus.READY, sent_at=now, timings=timings
-        )
+        moved = step_move(step.pk, expect=[StepStatus.ROLLING], to=StepStatus.READY, now=now,
+                          sent_at=now, timings=timings)
         if moved:
             transaction.on_commit(lambda: delivery.send_train_step(step.pk))
     if moved and open_ids:
@@ -223,9 +239,10 @@ def step_claim(*, step_id: int, worker: str, now: datetime | None = None) -> Tra
             _step_give_up(step, step.error or "the training worker was lost on every try")
         return None
     timings = {**step.timings, "train_started": _iso(now)}
-    moved = TrainingStep.objects.filter(claimable, pk=step.pk, attempts=step.attempts,
-                                        job__status=JobStatus.RUNNING).update(
-        status=StepStatus.TRAINING, attempts=step.attempts + 1, worker=worker,
+    moved = step_move(
+        step.pk, expect=[StepStatus.READY, StepStatus.TRAINING], to=StepStatus.TRAINING,
+        where=claimable & Q(attempts=step.attempts, job__status=JobStatus.RUNNING), now=now,
+        attempts=step.attempts + 1, worker=worker,
         lease_until=now + timedelta(seconds=config["step_lease_seconds"]), timings=timings,
     )
     if not moved:
@@ -324,10 +341,9 @@ def _step_finish(step: TrainingStep, result: TrainResult) -> str:
     timings = {**step.timings, "done": _iso(now), "train_seconds": round(result.seconds, 4)}
     with transaction.atomic():
         job = TrainingJob.objects.select_for_update().get(pk=step.job_id)
-        if not TrainingStep.objects.filter(
-            pk=step.pk, status=StepStatus.TRAINING, attempts=step.attempts
-        ).update(status=StepStatus.DONE, metrics=result.metrics, device=result.device,
-                 timings=timings, lease_until=None, error=""):
+        if not step_move(step.pk, expect=[StepStatus.TRAINING], to=StepStatus.DONE,
+                         where=Q(attempts=step.attempts), now=now, metrics=result.metrics,
+                         device=result.device, timings=timings, lease_until=None, error=""):
             return "lost"
         produced = step.resources_version
         if result.checkpoint is not None:
@@ -335,7 +351,8 @@ def _step_finish(step: TrainingStep, result: TrainResult) -> str:
                 project=job.project, resources_id=job.resources_id,
                 resources={"checkpoint": result.checkpoint, **result.published},
             ).version
-        TrainingStep.objects.filter(pk=step.pk).update(produced_version=produced)
+        step_move(step.pk, expect=[StepStatus.DONE], to=None, now=now,
+                  produced_version=produced)
         _track_best(job, step, result.metrics)
         if job.status == JobStatus.RUNNING:
             _advance(job, step, produced, now)
@@ -393,10 +410,10 @@ def step_record_failure(*, step_id: int, attempt: int, error: str,
     if attempt < job_config(step.job)["max_step_attempts"]:
         now = _now()
         with transaction.atomic():
-            moved = TrainingStep.objects.filter(
-                pk=step.pk, status=StepStatus.TRAINING, attempts=attempt
-            ).update(status=StepStatus.ROLLING if rerun_rollouts else StepStatus.READY,
-                     error=error, lease_until=None, sent_at=now)
+            moved = step_move(
+                step.pk, expect=[StepStatus.TRAINING],
+                to=StepStatus.ROLLING if rerun_rollouts else StepStatus.READY,
+                where=Q(attempts=attempt), now=now, error=error, lease_until=None, sent_at=now)
             if moved and rerun_rollouts:
                 algorithm = algorithm_load(step.job.algorithm, job_config(step.job))
                 _step_plan(step.job, algorithm, n=step.n, resources_version=step.resources_version,
@@ -415,9 +432,8 @@ def _step_give_up(step: TrainingStep, error: str) -> None:
     now = _now()
     message = f"step {step.n} failed after {step.attempts} tries:\n{error}"
     with transaction.atomic():
-        TrainingStep.objects.filter(pk=step.pk, status__in=STEP_OPEN).update(
-            status=StepStatus.FAILED, error=error, lease_until=None
-        )
+        step_move(step.pk, expect=STEP_OPEN, to=StepStatus.FAILED, now=now, error=error,
+                  lease_until=None)
         TrainingJob.objects.filter(pk=step.job_id, status=JobStatus.RUNNING).update(
             status=JobStatus.FAILED, error=message, finished_at=now
         )
@@ -441,12 +457,14 @@ def job_cancel(*, job_id: int) -> TrainingJob:
         TrainingJob.objects.filter(
             pk=job_id, status__in=[JobStatus.PENDING, JobStatus.RUNNING, JobStatus.PAUSED]
         ).update(status=JobStatus.CANCELLED, finished_at=now)
-        TrainingStep.objects.filter(job_id=job_id, status__in=STEP_OPEN).update(
-            status=StepStatus.CANCELLED, lease_until=None
-        )
+        open_steps = TrainingStep.objects.filter(job_id=job_id, status__in=STEP_OPEN)
+        for step_id in list(open_steps.order_by("pk").values_list("pk", flat=True)):
+            step_move(step_id, expect=STEP_OPEN, to=StepStatus.CANCELLED, now=now,
+                      lease_until=None)
     job = TrainingJob.objects.get(pk=job_id)
     open_ids = list(
-        _job_rollouts(job).exclude(status__in=ROLLOUT_TERMINAL).values_list("pk", flat=True)
+        selectors.job_rollouts(job=job).exclude(status__in=ROLLOUT_TERMINAL)
+        .values_list("pk", flat=True)
     )
     _cancel_rollouts(job.project, open_ids)
     return job
@@ -468,24 +486,21 @@ def job_resume(*, job_id: int, reclaim: bool = False) -> TrainingJob:
     elif job.status == JobStatus.PAUSED:
         _unpause(job)
     if reclaim:
-        TrainingStep.objects.filter(job=job, status=StepStatus.TRAINING).update(
-            lease_until=_now() - timedelta(seconds=1)
-        )
+        held = job.steps.filter(status=StepStatus.TRAINING).values_list("pk", flat=True)
+        for step_id in list(held):
+            step_move(step_id, expect=[StepStatus.TRAINING], to=None,
+                      lease_until=_now() - timedelta(seconds=1))
         _release_live_attempts(job)
     _resend_queued_rollouts(job)
     steps_sweep(job_id=job.pk, force=True)
     return TrainingJob.objects.get(pk=job.pk)
 
 
-def _job_rollouts(job: TrainingJob):
-    return Rollout.objects.filter(project_id=job.project_id,
-                                  idempotency_key__startswith=f"job/{job.pk}/")
-
-
 def _release_live_attempts(job: TrainingJob) -> None:
     """Attempts of the job still marked live belong to runners that are gone (the caller says
     so): mark them unresponsive, as the watchdog would later, so their rollouts retry now."""
-    live = _job_rollouts(job).filter(status__in=[RolloutStatus.PREPARING, RolloutStatus.RUNNING])
+    live = selectors.job_rollouts(job=job).filter(
+        status__in=[RolloutStatus.PREPARING, RolloutStatus.RUNNING])
     for rollout_id, attempt in live.values_list("pk", "latest_attempt__attempt_id"):
         try:
             store_services.attempt_update(project=job.project, rollout_id=rollout_id,
@@ -497,7 +512,7 @@ def _release_live_attempts(job: TrainingJob) -> None:
 def _resend_queued_rollouts(job: TrainingJob) -> None:
     """Messages of queued rollouts die with an embedded broker: send them again (the rollout
     task claims by compare-and-swap, so a message that did survive runs once anyway)."""
-    queued = list(_job_rollouts(job).filter(
+    queued = list(selectors.job_rollouts(job=job).filter(
         status__in=[RolloutStatus.QUEUING, RolloutStatus.REQUEUING]
     ).values_list("pk", flat=True))
     if queued:
@@ -532,9 +547,8 @@ def _reopen(job: TrainingJob) -> None:
         counts = selectors.step_rollout_counts(step=step)
         unfinished = sum(n for s, n in counts.items() if s not in ROLLOUT_TERMINAL)
         if not unfinished and not counts.get(RolloutStatus.CANCELLED):
-            TrainingStep.objects.filter(pk=step.pk).update(
-                status=StepStatus.READY, attempts=0, error="", sent_at=_now()
-            )
+            step_move(step.pk, expect=[step.status], to=StepStatus.READY, attempts=0, error="",
+                      sent_at=_now())
             transaction.on_commit(lambda: delivery.send_train_step(step.pk))
             return
         algorithm = algorithm_load(job.algorithm, job_config(job))
@@ -552,9 +566,9 @@ class SweepReport:
 def steps_sweep(*, now: datetime | None = None, limit: int = 100, job_id: int | None = None,
                 force: bool = False) -> SweepReport:
     """The trainer's part of the periodic sweep: rolling steps whose rollouts all finished (a
-    missed hook) or whose deadline passed become ready; ready steps whose task never started
-    and steps whose training worker died (lease expired) are sent again. Bounded per call;
-    `force` re-sends without waiting `resend_seconds` (used when resuming)."""
+    completion not acted on) or whose deadline passed become ready; ready steps whose task
+    never started and steps whose training worker died (lease expired) are sent again.
+    Bounded per call; `force` re-sends without waiting `resend_seconds` (used when resuming)."""
     now = now or _now()
     report = SweepReport()
     # Served by the partial index trainingstep_open.
@@ -575,7 +589,8 @@ def _resend_due(step: TrainingStep, now: datetime, force: bool) -> bool:
     wait = timedelta(seconds=0 if force else job_config(step.job)["resend_seconds"])
     due = Q(status=StepStatus.READY) | Q(status=StepStatus.TRAINING, lease_until__lt=now)
     sent_before = Q(sent_at__isnull=True) | Q(sent_at__lte=now - wait)
-    moved = TrainingStep.objects.filter(due, sent_before, pk=step.pk).update(sent_at=now)
+    moved = step_move(step.pk, expect=[StepStatus.READY, StepStatus.TRAINING], to=None,
+                      where=due & sent_before, now=now, sent_at=now)
     if moved:
         delivery.send_train_step(step.pk)
     return bool(moved)

@@ -12,6 +12,7 @@ from store.services.dispatch import (
     rollout_dispatch_set,
     rollout_dispatch_unpublished,
 )
+from store.services.groups import group_completions_take, group_create
 from store.services.projects import (
     api_key_authenticate,
     api_key_create,
@@ -54,6 +55,8 @@ __all__ = [
     "attempt_start",
     "attempt_update",
     "attempt_update_many",
+    "group_completions_take",
+    "group_create",
     "project_create",
     "project_first_start",
     "resources_add",

@@ -10,7 +10,7 @@ from typing import Any
 from django.db import connection, transaction
 from django.utils import timezone
 
-from store import hooks, wakeups
+from store import wakeups
 from store.errors import IllegalTransition, InvalidInput, NotFound
 from store.models import Attempt, Project, Rollout
 from store.services._bulk import Write, write_together
@@ -22,6 +22,7 @@ from store.services._common import (
     worker_writes_for_attempts,
 )
 from store.services._rows import attempts_locked
+from store.services.groups import rollouts_finished
 from store.statemachine import (
     ATTEMPT_FINAL,
     ATTEMPT_LIVE,
@@ -109,7 +110,7 @@ def attempt_update_many(*, project: Project, updates: Sequence[AttemptUpdate]) -
         ])
         if any(r.status in QUEUED for r in changed_rollouts.values()):
             wakeups.announce(wakeups.QUEUED, project.pk)  # a failed attempt was requeued
-        hooks.notify_rollouts_finished(finished)
+        rollouts_finished(finished, now)
     return attempts
 
 

@@ -14,7 +14,7 @@ from django.utils import timezone
 from store import hooks, wakeups
 from store.errors import InvalidInput
 from store.ids import new_rollout_id
-from store.models import Attempt, Project, ResourceSet, Rollout
+from store.models import Attempt, Project, ResourceSet, Rollout, RolloutGroup
 from store.services._claim import attach, claim_queued, new_attempt
 from store.services._common import (
     get_rollout,
@@ -22,6 +22,7 @@ from store.services._common import (
     queue_deadline,
     worker_sync_for_attempts,
 )
+from store.services.groups import groups_add_members, rollouts_finished, rollouts_terminal
 from store.statemachine import (
     QUEUED,
     ROLLOUT_TERMINAL,
@@ -132,14 +133,18 @@ def _queue_timeout(spec: RolloutSpec) -> float | None:
     return value or None
 
 
-def rollout_enqueue_many(*, project: Project, specs: Sequence[RolloutSpec]) -> list[Rollout]:
+def rollout_enqueue_many(*, project: Project, specs: Sequence[RolloutSpec],
+                         group: RolloutGroup | None = None) -> list[Rollout]:
     """Queue rollouts in order. A spec whose idempotency key was seen before returns the
-    rollout first created with it (a retried enqueue creates nothing)."""
+    rollout first created with it (a retried enqueue creates nothing). With `group` (the
+    algorithm's own services; never from a client's request) the new rollouts join it."""
+    if group is not None and group.project_id != project.pk:
+        raise InvalidInput("group", "belongs to another project")
     configs = [_validate(spec) for spec in specs]
     for attempt in range(_ID_RETRIES):
         try:
             with transaction.atomic():
-                return _enqueue_once(project, specs, configs)
+                return _enqueue_once(project, specs, configs, group)
         except IntegrityError:
             # A concurrent enqueue took one of our idempotency keys, or (rarely) an id
             # collided: re-read the keys and draw new ids.
@@ -149,7 +154,7 @@ def rollout_enqueue_many(*, project: Project, specs: Sequence[RolloutSpec]) -> l
 
 
 def _enqueue_once(project: Project, specs: Sequence[RolloutSpec],
-                  configs: list[RolloutConfig]) -> list[Rollout]:
+                  configs: list[RolloutConfig], group: RolloutGroup | None) -> list[Rollout]:
     keys = {s.idempotency_key for s in specs if s.idempotency_key}
     existing = {
         r.idempotency_key: r
@@ -168,9 +173,12 @@ def _enqueue_once(project: Project, specs: Sequence[RolloutSpec],
         rollout = _build(project, spec, config, now + timedelta(microseconds=index), pins)
         if key:
             existing[key] = rollout
+        rollout.group = group
         new.append(rollout)
         result.append(rollout)
     Rollout.objects.bulk_create(new)
+    if new and group is not None:
+        groups_add_members({group.pk: len(new)})
     if new:
         wakeups.announce(wakeups.QUEUED, project.pk)
     return result
@@ -250,6 +258,8 @@ def attempt_start(
     now = timezone.now()
     with transaction.atomic():
         rollout = get_rollout(project, rollout_id, lock=True)
+        if rollout.status in ROLLOUT_TERMINAL:
+            rollouts_terminal([rollout], -1, now)  # reopened: its group waits for it again
         if rollout.end_time is not None:
             rollout.end_time = None
             rollout.save(update_fields=["end_time"])
@@ -311,12 +321,18 @@ def _apply_rollout_status(rollout: Rollout, status: str, now: datetime, changed:
         raise InvalidInput("status", str(exc)) from None
     if not moved:
         return
+    was_terminal = rollout.status in ROLLOUT_TERMINAL
     rollout.status = status
     changed += ["status", "end_time"]
     rollout.end_time = None
+    if was_terminal and status not in ROLLOUT_TERMINAL:
+        rollouts_terminal([rollout], -1, now)  # reopened: its group waits for it again
     if status in ROLLOUT_TERMINAL:
         rollout.end_time = now
-        hooks.notify_rollouts_finished([rollout])
+        if was_terminal:  # one verdict for another: counted once already
+            hooks.notify_rollouts_finished([rollout])
+        else:
+            rollouts_finished([rollout], now)
     elif status in QUEUED:
         rollout.enqueue_time = now
         rollout.queue_deadline = queue_deadline(rollout, now)
