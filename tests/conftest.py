@@ -20,6 +20,18 @@ from tests.celery_fixtures import (  # noqa: F401 - fixtures for tests with real
 )
 
 
+def pytest_collection_modifyitems(config, items):
+    """The SQLite run (lightning_site/settings_sqlite.py) skips tests marked `postgres`."""
+    from django.conf import settings
+
+    if "postgresql" in settings.DATABASES["default"]["ENGINE"]:
+        return
+    skip = pytest.mark.skip(reason="a Postgres-only path (this run is on SQLite)")
+    for item in items:
+        if item.get_closest_marker("postgres"):
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _wakeup_listener_closed_before_teardown(django_db_setup, django_db_blocker):
     """The wake-up listener's connection would keep the test database from being dropped."""

@@ -116,8 +116,8 @@ def test_a_group_of_another_project_is_refused(project, other_project):
         services.rollout_enqueue_many(project=project, specs=[RolloutSpec()], group=group)
 
 
+@pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
-@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="concurrent writers: Postgres")
 def test_concurrent_finishes_count_every_member_and_complete_once(project):
     """Runners finishing members of one group at once, in batches that overlap two groups:
     no count is lost, no deadlock, one completion per group."""

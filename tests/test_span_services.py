@@ -182,6 +182,7 @@ def test_large_batches_with_duplicates_store_each_span_once(project):
     assert all(row.pk for row in second if row is not None)
 
 
+@pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
 def test_copy_that_loses_a_race_falls_back_and_stores_each_span_once(project, monkeypatch):
     """Another writer commits one of our spans after our duplicate check and before our

@@ -158,5 +158,8 @@ def _insert_new_portable(model, rows, unique, key_columns) -> list[Model]:
         if key not in existing and key not in seen:
             seen.add(key)
             fresh.append(row)
-    model.objects.bulk_create(fresh, ignore_conflicts=True, batch_size=500)
+    # No ignore_conflicts: the embedded default's transactions are serialized, so what was not
+    # stored above cannot conflict now, and without it the rows come back with their pks, as
+    # from the Postgres paths.
+    model.objects.bulk_create(fresh, batch_size=500)
     return fresh
