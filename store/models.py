@@ -30,7 +30,10 @@ class ApiKey(models.Model):
     class Role(models.TextChoices):
         RUNNER = "runner"
         ALGORITHM = "algorithm"
-        ADMIN = "admin"
+        ADMIN = "admin"  # its project's admin
+        # The site's operator: everything admin may do, and create projects (README "Keys
+        # and roles"); made only from a terminal (`apikey_create NAME --role site_admin`).
+        SITE_ADMIN = "site_admin"
 
     project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="api_keys")
     name = models.CharField(max_length=100)

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
-import threading
-import time
 from dataclasses import dataclass
 
 from rest_framework import exceptions
@@ -26,9 +23,15 @@ from store.models import ApiKey, Project
 RUNNER = ApiKey.Role.RUNNER.value
 ALGORITHM = ApiKey.Role.ALGORITHM.value
 ADMIN = ApiKey.Role.ADMIN.value
-ANY_ROLE = frozenset({RUNNER, ALGORITHM, ADMIN})
-ALGORITHM_ROLES = frozenset({ALGORITHM, ADMIN})
-ADMIN_ONLY = frozenset({ADMIN})
+SITE_ADMIN = ApiKey.Role.SITE_ADMIN.value
+ANY_ROLE = frozenset({RUNNER, ALGORITHM, ADMIN, SITE_ADMIN})
+ALGORITHM_ROLES = frozenset({ALGORITHM, ADMIN, SITE_ADMIN})
+ADMIN_ONLY = frozenset({ADMIN, SITE_ADMIN})
+# Creating projects is the site's business, not a tenant's: a project's admin key could
+# create any number of projects and learn which names exist.
+SITE_ADMIN_ONLY = frozenset({SITE_ADMIN})
+# The roles a new project gets a key for (POST /v1/projects).
+PROJECT_ROLES = (RUNNER, ALGORITHM, ADMIN)
 
 
 @dataclass(frozen=True)
@@ -68,28 +71,10 @@ def raw_key_from_header(header: bytes) -> str | None:
     return password or user
 
 
-# A key checked in the last few seconds is not looked up again (one query less per request);
-# so a revoked key may keep working for up to this long in a process that just used it.
-KEY_CACHE_SECONDS = 5.0
-_KEY_CACHE_MAX = 1024
-_key_cache: dict[str, tuple[float, ApiKey]] = {}
-_key_cache_lock = threading.Lock()
-
-
 def authenticate_key(raw: str) -> ApiKey | None:
-    digest = hashlib.sha256(raw.encode()).hexdigest()
-    now = time.monotonic()
-    with _key_cache_lock:
-        hit = _key_cache.get(digest)
-    if hit is not None and hit[0] > now:
-        return hit[1]
-    key = services.api_key_authenticate(raw=raw)
-    if key is not None:
-        with _key_cache_lock:
-            if len(_key_cache) >= _KEY_CACHE_MAX:
-                _key_cache.clear()
-            _key_cache[digest] = (now + KEY_CACHE_SECONDS, key)
-    return key
+    """The live key, read from the database on every request: a revoked key is refused by
+    the next request, in every process (no cache to outlive the revocation)."""
+    return services.api_key_authenticate(raw=raw)
 
 
 class ApiKeyAuthentication(BaseAuthentication):

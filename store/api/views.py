@@ -17,11 +17,10 @@ from rest_framework.response import Response
 from store import selectors, services
 from store.api import limits
 from store.api import serializers as s
-from store.api.auth import ADMIN_ONLY, ALGORITHM_ROLES
+from store.api.auth import ALGORITHM_ROLES, PROJECT_ROLES, SITE_ADMIN_ONLY
 from store.api.base import StoreView, respond
 from store.api.errors import PayloadTooLarge
 from store.errors import NotFound
-from store.models import ApiKey
 from store.services.longpoll import rollout_dequeue_wait
 from store.services.resources import resources_delete
 from store.statemachine import ATTEMPT_FINAL, RolloutStatus
@@ -479,10 +478,10 @@ class NextSpanSequenceIdView(StoreView):
 
 
 class CreateProjectView(StoreView):
-    """Extension: an admin key creates a project; the answer holds one new key per role,
-    shown this once."""
+    """Extension: a site_admin key creates a project; the answer holds one new key per role
+    (runner, algorithm, admin), shown this once."""
 
-    post_roles = ADMIN_ONLY
+    post_roles = SITE_ADMIN_ONLY
 
     @extend_schema(request=s.ProjectIn, responses={201: s.ProjectOut},
                    operation_id="create_project")
@@ -491,6 +490,6 @@ class CreateProjectView(StoreView):
         project = services.project_create(name=data["name"], description=data["description"])
         keys = {
             role: services.api_key_create(project=project, role=role)[1]
-            for role in ApiKey.Role.values
+            for role in PROJECT_ROLES
         }
         return respond(s.ProjectOut, {"name": project.name, "keys": keys}, status=201)

@@ -9,6 +9,7 @@ import httpx
 import pytest
 from django.utils import timezone
 
+from store import services
 from store.models import ApiKey, Project
 from tests.api.conftest import Keys, http
 
@@ -50,6 +51,18 @@ def test_revoked_key_is_401(api_server, keys: Keys):
     ApiKey.objects.filter(project=keys.project, role="runner").update(revoked_at=timezone.now())
     with http(api_server, keys.runner) as client:
         assert client.get("/statistics").status_code == 401
+
+
+def test_a_revoked_key_is_refused_at_once_by_every_process(api_server, keys: Keys):
+    """Each process cached a checked key for 5 s, so a revoked key kept working that long
+    (issue 11, finding 6). Every worker and thread has just used the key when it is revoked."""
+    with http(api_server, keys.runner) as client:
+        for _ in range(40):  # 2 workers x 8 threads: every process has seen the key
+            assert client.get("/statistics").status_code == 200
+        ApiKey.objects.filter(project=keys.project, role="runner").update(
+            revoked_at=timezone.now())
+        answers = [client.get("/statistics").status_code for _ in range(40)]
+    assert set(answers) == {401}, answers
 
 
 def test_another_projects_ids_are_not_found(api_server, keys: Keys, algo, runner):
@@ -95,20 +108,26 @@ def test_runner_keys_cannot_do_algorithm_work(runner, method: str, path: str, bo
     assert response.status_code == 403, response.text
 
 
-def test_only_admin_keys_create_projects(api_server, keys: Keys):
+def test_only_site_admin_keys_create_projects(api_server, keys: Keys):
+    """A project's admin key could create any number of projects and learn which names
+    exist (issue 11, finding 6): creating projects takes the site_admin role."""
     url = api_server.url + "/v1/projects"
-    for key in (keys.runner, keys.algorithm):
+    for key in (keys.runner, keys.algorithm, keys.admin):
         response = httpx.post(url, json={"name": "new"}, headers={"Authorization": f"Bearer {key}"})
         assert response.status_code == 403
-    response = httpx.post(url, json={"name": "new"},
-                          headers={"Authorization": f"Bearer {keys.admin}"})
+        response = httpx.post(url, json={"name": "api-other"},
+                              headers={"Authorization": f"Bearer {key}"})
+        assert response.status_code == 403  # no answer says whether the name exists
+    assert not Project.objects.filter(name="new").exists()
+    site = services.api_key_create(project=keys.project, role="site_admin")[1]
+    response = httpx.post(url, json={"name": "new"}, headers={"Authorization": f"Bearer {site}"})
     assert response.status_code == 201
     new_keys = response.json()["keys"]
     assert set(new_keys) == {"runner", "algorithm", "admin"}
     assert Project.objects.filter(name="new").exists()
     with http(api_server, new_keys["runner"]) as client:
         assert client.get("/rollouts").json()["total"] == 0
-    again = httpx.post(url, json={"name": "new"}, headers={"Authorization": f"Bearer {keys.admin}"})
+    again = httpx.post(url, json={"name": "new"}, headers={"Authorization": f"Bearer {site}"})
     assert again.status_code == 422
 
 
