@@ -20,6 +20,9 @@ threads = int(os.environ.get("WEB_THREADS", "8"))
 timeout = 90
 # Access lines for every API request would drown the workers' logs; errors still go to stderr.
 accesslog = None
+# When an access log is turned on (--access-logfile), it never shows a key: the Basic auth
+# user is `-`, `?key=`-like parameters read REDACTED (lightning_site/gunicorn_logging.py).
+logger_class = "lightning_site.gunicorn_logging.RedactingLogger"
 
 
 # prometheus-client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR, lightning_site/metrics.py):

@@ -6,6 +6,7 @@ from datetime import UTC, datetime
 from django.contrib import admin, messages
 from django.contrib.admin.views.main import ChangeList
 from django.template.loader import render_to_string
+from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html
@@ -49,26 +50,28 @@ class ProjectAdmin(admin.ModelAdmin):
     inlines = [ApiKeyInline]
     actions = ["make_runner_key", "make_algorithm_key", "make_admin_key"]
 
-    def _make_key(self, request, queryset, role: str) -> None:
-        for project in queryset:
-            _, raw = services.api_key_create(project=project, role=role)
-            self.message_user(
-                request,
-                f"New {role} key for {project.name} (shown once, copy it now): {raw}",
-                messages.WARNING,
-            )
+    def _make_key(self, request, queryset, role: str) -> TemplateResponse:
+        """The new keys are shown on this answer only: a message would keep them in the
+        messages cookie (signed, not encrypted) until the next page."""
+        made = [(project, services.api_key_create(project=project, role=role)[1])
+                for project in queryset]
+        context = {**self.admin_site.each_context(request), "title": f"New {role} keys",
+                   "role": role, "made": made, "opts": self.model._meta}
+        response = TemplateResponse(request, "admin/store/project/new_keys.html", context)
+        response["Cache-Control"] = "no-store"
+        return response
 
     @admin.action(description="Create a runner key (shown once)")
     def make_runner_key(self, request, queryset):
-        self._make_key(request, queryset, ApiKey.Role.RUNNER)
+        return self._make_key(request, queryset, ApiKey.Role.RUNNER)
 
     @admin.action(description="Create an algorithm key (shown once)")
     def make_algorithm_key(self, request, queryset):
-        self._make_key(request, queryset, ApiKey.Role.ALGORITHM)
+        return self._make_key(request, queryset, ApiKey.Role.ALGORITHM)
 
     @admin.action(description="Create an admin key (shown once)")
     def make_admin_key(self, request, queryset):
-        self._make_key(request, queryset, ApiKey.Role.ADMIN)
+        return self._make_key(request, queryset, ApiKey.Role.ADMIN)
 
 
 @admin.register(ApiKey)

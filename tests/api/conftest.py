@@ -51,8 +51,9 @@ class Server:
     """A gunicorn process serving lightning_site on 127.0.0.1:port."""
 
     def __init__(self, port: int, *, workers: int = 2, threads: int = 8,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> None:
         self.port = port
+        self.args = args
         self.url = f"http://127.0.0.1:{port}"
         self.workers, self.threads = workers, threads
         self.env = {**os.environ, "DATABASE_URL": database_url_for_tests(),
@@ -65,7 +66,8 @@ class Server:
         self.log.parent.mkdir(exist_ok=True)
         cmd = [sys.executable, "-m", "gunicorn", "lightning_site.wsgi",
                "-b", f"127.0.0.1:{self.port}", "-k", "gthread", "-w", str(self.workers),
-               "--threads", str(self.threads), "--graceful-timeout", "5", "--timeout", "90"]
+               "--threads", str(self.threads), "--graceful-timeout", "5", "--timeout", "90",
+               *self.args]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=log,
                                          start_new_session=True)

@@ -4,6 +4,7 @@ even locked."""
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 
@@ -14,7 +15,7 @@ from django.db import connection
 from django.utils import timezone
 
 from store.models import Attempt, Rollout, Span
-from tests.api.conftest import Keys, database_url_for_tests, http
+from tests.api.conftest import Keys, database_url_for_tests, http, start_server
 from tests.api.test_api_otlp import export_request
 
 
@@ -235,3 +236,30 @@ def test_a_chunked_otlp_upload_without_content_length_is_stored(api_server, keys
                                        "}"]),
             headers={"Content-Type": "application/json"})
     assert response.status_code == 200 and response.json()["added"] == 2, response.text
+
+
+# --- finding 6: no raw key in a log or a cookie ---------------------------------------------
+
+
+def test_gunicorns_access_log_never_shows_a_key(keys: Keys, tmp_path):
+    """The access log showed the Basic auth user (where a key may sit) and `?key=...`."""
+    log = tmp_path / "access.log"
+    server = start_server(workers=1, threads=2, args=(
+        "-c", "python:lightning_site.gunicorn_conf", "--access-logfile", str(log),
+        "--access-logformat",
+        '%(h)s %(u)s "%(r)s" %(q)s %(s)s "%(f)s" "%({authorization}i)s"'))
+    try:
+        key = keys.runner
+        as_user = base64.b64encode(f"{key}:".encode()).decode()
+        as_password = base64.b64encode(f"runner:{key}".encode()).decode()
+        for header in (f"Basic {as_user}", f"Basic {as_password}", f"Bearer {key}"):
+            response = httpx.get(f"{server.url}/v1/agl/statistics?limit=1&key={key}&token={key}",
+                                 headers={"Authorization": header,
+                                          "Referer": f"http://x/?api_key={key}"})
+            assert response.status_code == 200, response.text
+    finally:
+        server.stop()
+    text = log.read_text()
+    assert text.count("/v1/agl/statistics") == 3, text
+    assert key not in text and key[:12] not in text, text
+    assert "key=REDACTED" in text and "limit=1" in text
