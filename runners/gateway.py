@@ -8,7 +8,8 @@ through a `StoreGateway`. Two implementations exist:
 - `runners.remote.HttpGateway`: speaks the REST API through `runners.client` (the remote
   runner, `manage.py runner`, on machines with no database access).
 
-Both must behave the same; tests run the executor against each.
+Both must behave the same: tests/api/test_gateway_contract.py runs the same scenarios through
+each, and tests run the executor against each.
 """
 
 from __future__ import annotations
