@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('store', '0006_rollout_span_sequence'),
+        ('store', '0007_rollout_groups'),
     ]
 
     operations = [
