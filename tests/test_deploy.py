@@ -9,6 +9,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -156,3 +157,28 @@ def test_the_image_runs_the_web_command_and_copies_what_exists():
     cmd = re.search(r"^CMD (\[.*\])$", dockerfile, flags=re.M).group(1)
     web = yaml.safe_load(COMPOSE.read_text())["services"]["web"]
     assert yaml.safe_load(cmd) == _command(web)
+
+
+@pytest.mark.parametrize("value,ok", [
+    (None, False), ("", False), ("   ", False), (":", False), ("ops:", False), (":longpassword", False),
+    ("ops", False), ("ops:short", False), ("ops:longpassword,", False), ("ops:longpassword", True),
+    ("ops:longpassword,viewer:another-long-one", True),
+])
+def test_flower_does_not_start_without_real_credentials(value, ok):
+    """An empty FLOWER_BASIC_AUTH made Flower accept `Authorization: Basic ====` (issue 11,
+    finding 3). Compose runs lightning_site.flower_auth before Flower; it exits 1 unless every
+    entry is user:password."""
+    raw = yaml.safe_load(COMPOSE.read_text())["services"]["flower"]["command"]
+    words = shlex.split(raw)
+    assert words[:2] == ["sh", "-c"]
+    steps = [shlex.split(step) for step in words[2].split("&&")]
+    assert steps[0] == ["python", "-m", "lightning_site.flower_auth"]
+    assert steps[-1][:4] == ["celery", "-A", "lightning_site", "flower"]
+    env = {k: v for k, v in os.environ.items() if k != "FLOWER_BASIC_AUTH"}
+    if value is not None:
+        env["FLOWER_BASIC_AUTH"] = value
+    result = subprocess.run([sys.executable, "-m", "lightning_site.flower_auth"], env=env,
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert (result.returncode == 0) == ok, result.stderr
+    if not ok:
+        assert "FLOWER_BASIC_AUTH" in result.stderr
