@@ -23,12 +23,33 @@ DATA_DIR = Path(env_str("LIGHTNING_DATA_DIR", str(BASE_DIR / "var")))
 DEBUG = env_bool("DJANGO_DEBUG", False)
 SECRET_KEY = env_str("DJANGO_SECRET_KEY")
 if not SECRET_KEY:
-    if not DEBUG and env_str("DATABASE_URL"):
+    if env_str("DATABASE_URL"):
+        # DEBUG or not: a shared database means sessions and signatures others can forge
+        # with a key published in this file.
         raise ImproperlyConfigured(
             "DJANGO_SECRET_KEY must be set when DATABASE_URL is set (a shared deployment)"
         )
     # Embedded default only: a fixed key for a single-user local store.
     SECRET_KEY = "embedded-default-insecure-key-set-DJANGO_SECRET_KEY-for-deployments"
+
+# HTTPS (README "Settings"): off by default, because compose's workers and runners reach the
+# API over plain HTTP inside their network; a deployment behind TLS turns them on (all of them
+# on is what `manage.py check --deploy` asks for).
+SECURE_SSL_REDIRECT = env_bool("DJANGO_SECURE_SSL_REDIRECT", False)
+# The health check is probed over plain HTTP from inside the container (docker-compose.yml).
+SECURE_REDIRECT_EXEMPT = [r"^v1/agl/health$"]
+SECURE_HSTS_SECONDS = env_int("DJANGO_SECURE_HSTS_SECONDS", 0, minimum=0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("DJANGO_SECURE_HSTS_INCLUDE_SUBDOMAINS", False)
+SECURE_HSTS_PRELOAD = env_bool("DJANGO_SECURE_HSTS_PRELOAD", False)
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = env_bool("DJANGO_SECURE_COOKIES", False)
+if env_bool("DJANGO_SECURE_PROXY_SSL_HEADER", False):
+    # Behind a TLS-terminating proxy that sets X-Forwarded-Proto (and strips a client's own).
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+CSRF_TRUSTED_ORIGINS = env_list("DJANGO_CSRF_TRUSTED_ORIGINS", [])
+# The admin's login: failed logins per user name (4x per client address) within the window,
+# then 429 until it passes (lightning_site/login_throttle.py).
+ADMIN_LOGIN_MAX_FAILURES = env_int("ADMIN_LOGIN_MAX_FAILURES", 5, minimum=1)
+ADMIN_LOGIN_LOCKOUT_SECONDS = env_int("ADMIN_LOGIN_LOCKOUT_SECONDS", 900, minimum=1)
 # "web" is the API server's name inside docker-compose.yml's network (workers and runners there).
 ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]", "web"])
 

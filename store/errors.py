@@ -44,6 +44,17 @@ class InvalidInput(StoreError, ValueError):
         self.loc = loc
 
 
+class FieldFrozen(StoreError):
+    """A field that may not change in the object's current state (409): a finished rollout's
+    `input` (it is what the rollout ran on)."""
+
+    def __init__(self, kind: str, ident: object, field: str, state: str) -> None:
+        super().__init__(
+            f"{field} of {kind} {ident} cannot change while it is {state}; requeue it first"
+        )
+        self.field = field
+
+
 class BadQuery(StoreError):
     """A request AGL 0.3's server refuses with 400 and a message (bad paging, an explicit
     null for a field that cannot be null)."""

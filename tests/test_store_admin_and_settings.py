@@ -114,3 +114,61 @@ def test_embedded_default_runs_the_store_demo_on_sqlite(tmp_path):
     assert out.returncode == 0, out.stderr
     assert '"succeeded": 30' in out.stdout
     assert (tmp_path / "lightning.sqlite3").exists()
+
+
+def test_secret_key_is_required_with_a_database_url_even_in_debug_mode():
+    """DJANGO_DEBUG=true with DATABASE_URL used the fixed key published in settings.py
+    (issue 11, finding 8)."""
+    environ = {k: v for k, v in os.environ.items() if k != "DJANGO_SECRET_KEY"}
+    environ.update(DATABASE_URL="postgres://postgres@127.0.0.1:5432/x", DJANGO_DEBUG="true",
+                   DJANGO_SETTINGS_MODULE="lightning_site.settings")
+    out = subprocess.run([sys.executable, "-c", "import django; django.setup()"],
+                         cwd=ROOT, env=environ, capture_output=True, text=True)
+    assert out.returncode != 0 and "DJANGO_SECRET_KEY" in out.stderr
+
+
+SECURE_ENV = {"DJANGO_SECURE_SSL_REDIRECT": "true", "DJANGO_SECURE_HSTS_SECONDS": "31536000",
+              "DJANGO_SECURE_HSTS_INCLUDE_SUBDOMAINS": "true", "DJANGO_SECURE_HSTS_PRELOAD": "true",
+              "DJANGO_SECURE_COOKIES": "true"}
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_production_settings_pass_check_deploy_behind_the_secure_settings(secure: bool):
+    """`check --deploy` warned W004/W008/W012/W016 with no way to turn them off from the
+    environment (issue 11, finding 8)."""
+    environ = {k: v for k, v in os.environ.items()
+               if not k.startswith("DJANGO_SECURE_") and k != "DJANGO_DEBUG"}
+    environ.update(DATABASE_URL="postgres://postgres@127.0.0.1:5432/x",
+                   DJANGO_SECRET_KEY="k" * 20 + "-a-long-random-enough-key-0123456789-xyz",
+                   DJANGO_SETTINGS_MODULE="lightning_site.settings",
+                   **(SECURE_ENV if secure else {}))
+    out = subprocess.run([sys.executable, "manage.py", "check", "--deploy"], cwd=ROOT,
+                         env=environ, capture_output=True, text=True, timeout=120)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text
+    found = set(re.findall(r"security\.W\d+", text))
+    if secure:
+        assert found == set(), text
+    else:
+        assert {"security.W004", "security.W008", "security.W012", "security.W016"} <= found
+
+
+def test_admin_login_is_throttled(client, django_user_model, settings):
+    """The admin's login had no limit on guesses (issue 11, finding 8)."""
+    from django.core.cache import cache
+
+    cache.clear()
+    settings.ADMIN_LOGIN_MAX_FAILURES = 3
+    django_user_model.objects.create_superuser("boss", "b@example.com", "right-password")
+    url = reverse("admin:login")
+    for _ in range(3):
+        response = client.post(url, {"username": "boss", "password": "wrong"})
+        assert response.status_code == 200  # the form again, with its error
+    blocked = client.post(url, {"username": "boss", "password": "right-password"})
+    assert blocked.status_code == 429 and int(blocked["Retry-After"]) > 0
+    assert "_auth_user_id" not in client.session
+    # Another user name from the same address is not locked out by this one's failures.
+    django_user_model.objects.create_superuser("other", "o@example.com", "other-password")
+    response = client.post(url, {"username": "other", "password": "other-password"})
+    assert response.status_code == 302
+    cache.clear()

@@ -21,7 +21,14 @@ from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
-from store.errors import IllegalTransition, InvalidInput, NotFound, ResourceInUse, StoreError
+from store.errors import (
+    FieldFrozen,
+    IllegalTransition,
+    InvalidInput,
+    NotFound,
+    ResourceInUse,
+    StoreError,
+)
 from store.text import find_bad_text
 
 log = logging.getLogger(__name__)
@@ -83,7 +90,7 @@ def _where(context: dict[str, Any]) -> tuple[str, Any]:
 def _store_error(exc: StoreError, context: dict[str, Any]) -> Response:
     if isinstance(exc, NotFound):
         return Response({"detail": str(exc)}, status=404)
-    if isinstance(exc, IllegalTransition | ResourceInUse):
+    if isinstance(exc, IllegalTransition | ResourceInUse | FieldFrozen):
         return Response({"detail": str(exc)}, status=409)
     if isinstance(exc, InvalidInput):
         where, path_params = _where(context)

@@ -12,7 +12,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from store import hooks, wakeups
-from store.errors import InvalidInput
+from store.errors import FieldFrozen, InvalidInput
 from store.ids import new_rollout_id
 from store.models import Attempt, Project, ResourceSet, Rollout, RolloutGroup
 from store.services._claim import attach, claim_queued, new_attempt
@@ -291,7 +291,11 @@ def rollout_update(
         changed: list[str] = []
         if status is not _UNSET and status is not None:
             _apply_rollout_status(rollout, status, now, changed)
-        if input is not _UNSET:
+        if input is not _UNSET and input != rollout.input:
+            if rollout.status in ROLLOUT_TERMINAL:
+                # Deliberately stricter than AGL 0.3 (README): a finished rollout's spans and
+                # reward answer its input; changing it would make them lie. Requeue first.
+                raise FieldFrozen("rollout", rollout.pk, "input", rollout.status)
             rollout.input = input
             changed.append("input")
         if mode is not _UNSET:

@@ -263,3 +263,28 @@ def test_gunicorns_access_log_never_shows_a_key(keys: Keys, tmp_path):
     assert text.count("/v1/agl/statistics") == 3, text
     assert key not in text and key[:12] not in text, text
     assert "key=REDACTED" in text and "limit=1" in text
+
+
+# --- finding 8: a finished rollout's input is what it ran on ---------------------------------
+
+
+def test_a_finished_rollouts_input_cannot_change(algo, runner):
+    """A finished rollout accepted a new `input` (issue 11, finding 8): its spans and reward
+    then answered a question it never ran. Its metadata still takes notes (as in AGL 0.3), and
+    requeuing it in the same request opens it again."""
+    rid, aid = _rollout_with_attempt(algo, runner)
+    done = runner.post(f"/rollouts/{rid}/attempts/{aid}", json={"status": "succeeded"})
+    assert done.status_code == 200 and algo.get(f"/rollouts/{rid}").json()["status"] == "succeeded"
+    refused = algo.post(f"/rollouts/{rid}", json={"input": 2, "metadata": {"note": "x"}})
+    assert refused.status_code == 409, refused.text
+    assert "input" in refused.json()["detail"]
+    row = Rollout.objects.get(pk=rid)
+    assert (row.input, row.metadata) == (1, {})  # nothing half-written
+    same = algo.post(f"/rollouts/{rid}", json={"input": 1, "metadata": {"note": "x"}})
+    assert same.status_code == 200 and same.json()["metadata"] == {"note": "x"}
+    cancelled = algo.post(f"/rollouts/{rid}", json={"status": "cancelled"})
+    assert cancelled.status_code == 200
+    assert algo.post(f"/rollouts/{rid}", json={"input": 3}).status_code == 409
+    reopened = algo.post(f"/rollouts/{rid}", json={"status": "requeuing", "input": 3})
+    assert reopened.status_code == 200, reopened.text
+    assert reopened.json()["input"] == 3 and reopened.json()["status"] == "requeuing"
