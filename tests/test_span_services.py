@@ -215,3 +215,21 @@ def test_copy_that_loses_a_race_falls_back_and_stores_each_span_once(project, mo
     assert Span.objects.filter(attempt=attempt).count() == 60
     assert Span.objects.get(attempt=attempt, span_id=f"{7:016x}").name == "theirs"
     assert all(row.pk for row in result if row is not None)
+
+
+@pytest.mark.postgres  # SQLite keeps both
+@pytest.mark.parametrize("count", [3, 60])  # 60: the COPY path
+@pytest.mark.parametrize("bad", ["a\x00b", "\ud800"])
+def test_text_the_database_cannot_keep_is_invalid_input_naming_the_field(project, count, bad):
+    """Issue 11, finding 4: through COPY a NUL or a lone surrogate was a raw driver error (a
+    500 in the API); the service names the span and field, and stores none of the batch."""
+    enqueue(project, 1)
+    rollout, attempt = claim(project)
+    spans = [span(rollout, attempt, n) for n in range(count)]
+    spans[-1]["attributes"] = {"gen_ai.prompt": bad}
+    with pytest.raises(InvalidInput) as caught:
+        services.spans_ingest(project=project, spans=spans)
+    assert caught.value.loc == (f"spans[{count - 1}]", "attributes", "gen_ai.prompt")
+    assert Span.objects.count() == 0
+    spans[-1]["attributes"] = {"gen_ai.prompt": "fine"}
+    assert all(services.spans_add(project=project, spans=spans))
