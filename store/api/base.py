@@ -38,15 +38,16 @@ class JSONNullRenderer(JSONRenderer):
 
 
 class StoreJSONParser(JSONParser):
-    """DRF's JSON parser; JSON nested deeper than Python's recursion limit is malformed
-    input (400), as other parse errors are, not a RecursionError (500)."""
+    """DRF's JSON parser; JSON nested deeper than Python's recursion limit is a 400 with
+    AGL 0.3's answer (FastAPI's, for a body its parser raised on), not a RecursionError
+    (500)."""
 
     def parse(self, stream: Any, media_type: str | None = None,
               parser_context: dict | None = None) -> Any:
         try:
             return super().parse(stream, media_type, parser_context)
         except RecursionError:
-            raise ParseError("JSON parse error - nested too deeply") from None
+            raise ParseError("There was an error parsing the body") from None
 
 
 class LengthRequired(exceptions.APIException):
