@@ -2,9 +2,8 @@
 name (or four times that from one client address) within ADMIN_LOGIN_LOCKOUT_SECONDS, further
 attempts answer 429 with Retry-After until the window has passed, the right password included.
 
-Counts live in Django's cache, which is per process unless CACHES names a shared one (the
-default is each process's memory): under gunicorn with N workers, a guesser gets at most N
-times the limit per window."""
+Counts live in Django's cache, which settings leave at its default, each process's memory:
+under gunicorn with N workers, a guesser gets at most N times the limit per window."""
 
 from __future__ import annotations
 
