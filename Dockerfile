@@ -18,4 +18,4 @@ RUN python manage.py collectstatic --noinput -v0 \
     && mkdir -p /app/var/checkpoints && chown -R lightning /app/var
 USER lightning
 EXPOSE 8000
-CMD ["gunicorn", "lightning_site.wsgi:application", "-c", "python:lightning_site.gunicorn_conf", "--workers", "4", "--threads", "8", "--timeout", "90"]
+CMD ["python", "-m", "lightning_site.web", "--workers", "4", "--threads", "8"]

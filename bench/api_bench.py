@@ -81,11 +81,16 @@ def wait_healthy(url: str, proc: subprocess.Popen, attempts: int = 600) -> None:
     sys.exit(f"server at {url} did not come up")
 
 
-def start_ours(workers: int, threads: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "gunicorn", "lightning_site.wsgi", "-b",
-           f"127.0.0.1:{OURS_PORT}", "-k", "gthread", "-w", str(workers),
-           "--threads", str(threads), "--log-level", "warning", "--preload"]
-    env = {**os.environ, "LOG_LEVEL": "WARNING"}
+def start_ours(server: str, workers: int, threads: int) -> subprocess.Popen:
+    if server == "gunicorn":
+        cmd = [sys.executable, "-m", "gunicorn", "lightning_site.wsgi", "-b",
+               f"127.0.0.1:{OURS_PORT}", "-k", "gthread", "-w", str(workers),
+               "--threads", str(threads), "--log-level", "warning", "--preload"]
+    else:
+        cmd = [sys.executable, "-m", "uvicorn", "lightning_site.asgi:application", "--host",
+               "127.0.0.1", "--port", str(OURS_PORT), "--workers", str(workers),
+               "--log-level", "warning", "--no-access-log"]
+    env = {**os.environ, "LOG_LEVEL": "WARNING", "WEB_THREADS": str(threads)}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
     wait_healthy(f"http://127.0.0.1:{OURS_PORT}", proc)
     return proc
@@ -325,8 +330,11 @@ def main() -> None:
     parser.add_argument("--rollouts", type=int, default=480)
     parser.add_argument("--batched-rollouts", type=int, default=6000)
     parser.add_argument("--span-batches", type=int, default=15)
-    parser.add_argument("--gunicorn-workers", type=int, default=3)
-    parser.add_argument("--gunicorn-threads", type=int, default=8)
+    parser.add_argument("--server", choices=["uvicorn", "gunicorn"], default="uvicorn",
+                        help="ours: the ASGI server (lightning_site/asgi.py) under uvicorn, "
+                             "or Django under gunicorn gthread (the server before it)")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--skip-agl", action="store_true")
     args = parser.parse_args()
     key = prepare_database()
@@ -334,9 +342,9 @@ def main() -> None:
     figures: dict[str, dict] = {}
 
     database = settings.DATABASES["default"]["NAME"]
-    ours = start_ours(args.gunicorn_workers, args.gunicorn_threads)
+    ours = start_ours(args.server, args.workers, args.threads)
     try:
-        print(f"(a) ours: gunicorn {args.gunicorn_workers}x{args.gunicorn_threads} threads, "
+        print(f"(a) ours: {args.server} {args.workers} workers x {args.threads} threads, "
               f"Postgres {database}")
         figures["ours"] = agl_workload(ours_url, key, args.rollouts, ours, database)
     finally:
@@ -357,7 +365,7 @@ def main() -> None:
               f"(target >= 1.3x), server CPU per rollout {cpu_ours / cpu_agl:.2f}x "
               f"(target <= 0.7x)")
 
-    ours = start_ours(args.gunicorn_workers, args.gunicorn_threads)
+    ours = start_ours(args.server, args.workers, args.threads)
     try:
         print("(c) ours, batched client")
         batched = batched_client(ours_url, key, args.batched_rollouts)

@@ -195,6 +195,12 @@ SPECTACULAR_SETTINGS = {
 }
 # Request bodies the API accepts (JSON and OTLP, after gunzip); larger ones get 413.
 STORE_API_MAX_BODY_BYTES = env_int("STORE_API_MAX_BODY_BYTES", 8 * 1024 * 1024, minimum=1024)
+# The ASGI server (lightning_site/asgi.py): server-side waits (waits/rollouts, a long-polled
+# dequeue) at once per API key and per project, in each server process; past either, 429.
+STORE_API_MAX_WAITS_PER_KEY = env_int("STORE_API_MAX_WAITS_PER_KEY", 16, minimum=1)
+STORE_API_MAX_WAITS_PER_PROJECT = env_int("STORE_API_MAX_WAITS_PER_PROJECT", 64, minimum=1)
+# Seconds a request's whole body may take to arrive (slow uploads), else 408.
+WEB_BODY_TIMEOUT_SECONDS = env_int("WEB_BODY_TIMEOUT_SECONDS", 30, minimum=1)
 
 # --- Celery (lightning_site/celery.py; README "Distributed") ----------------------------------
 _broker_url = env_str("CELERY_BROKER_URL")

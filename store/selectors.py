@@ -11,7 +11,7 @@ from typing import Any, Generic, TypeVar
 
 from django.db.models import Count, F, OrderBy, Q, QuerySet
 
-from store import wakeups
+from store import waits, wakeups
 from store.errors import BadQuery, InvalidInput, NotFound
 from store.models import Attempt, Project, ResourceSet, ResourceVersion, Rollout, Span, Worker
 from store.statemachine import ROLLOUT_TERMINAL
@@ -277,7 +277,7 @@ def rollouts_wait(
     """The listed rollouts that are terminal, waiting up to `timeout` seconds (capped at 60)
     for all of them. Between checks it sleeps until a rollout of the project finishes
     (store/wakeups.py: Postgres NOTIFY), never spinning."""
-    deadline = time.monotonic() + min(max(timeout or 0.0, 0.0), MAX_WAIT_SECONDS)
+    deadline = waits.deadline_for(min(max(timeout or 0.0, 0.0), MAX_WAIT_SECONDS))
     ids = list(dict.fromkeys(rollout_ids))
     # Ids this project does not have never finish: waiting for them would only burn the timeout.
     known = {pk for pk, _ in _of_project(project, ids, "pk", "status")}
@@ -291,9 +291,11 @@ def rollouts_wait(
             if r.project_id == project.pk
         ]
         remaining = deadline - time.monotonic()
+        order = {rid: i for i, rid in enumerate(ids)}
         if len(done) == len(ids) or remaining <= 0:
-            order = {rid: i for i, rid in enumerate(ids)}
             return sorted(done, key=lambda r: order[r.pk])
+        if waits.defer(wakeups.FINISHED, project.pk, waiter.token, deadline):
+            return sorted(done, key=lambda r: order[r.pk])  # the server waits, then reruns
         waiter.sleep(remaining)
 
 

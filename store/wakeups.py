@@ -47,6 +47,8 @@ class _Listener(threading.Thread):
         self._params = params
         self._counts: defaultdict[tuple[str, str], int] = defaultdict(int)
         self._changed = threading.Condition()
+        # Waits on event loops (store/waits.py): key -> [(loop, future, token)].
+        self._async: defaultdict[tuple[str, str], list] = defaultdict(list)
         self.listening = threading.Event()
         self.stopping = threading.Event()
 
@@ -59,6 +61,35 @@ class _Listener(threading.Thread):
         key = (channel, str(project_id))
         with self._changed:
             return self._changed.wait_for(lambda: self._counts[key] != token, timeout)
+
+    async def wait_async(self, channel: str, project_id: int, token: int,
+                         timeout: float) -> None:
+        """`wait` for an event loop: the listener thread wakes the future; no thread sleeps."""
+        import asyncio
+
+        key = (channel, str(project_id))
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        entry = (loop, future, token)
+        with self._changed:
+            if self._counts[key] != token:
+                return
+            self._async[key].append(entry)
+        try:
+            await asyncio.wait_for(future, timeout)
+        except TimeoutError:
+            pass
+        finally:
+            with self._changed:
+                waiting = self._async.get(key)
+                if waiting and entry in waiting:
+                    waiting.remove(entry)
+                    if not waiting:
+                        del self._async[key]
+
+    def _wake_async(self, key: tuple[str, str]) -> None:
+        for loop, future, _ in self._async.pop(key, ()):
+            loop.call_soon_threadsafe(_resolve, future)
 
     def run(self) -> None:
         import psycopg
@@ -73,9 +104,11 @@ class _Listener(threading.Thread):
                     backoff = 0.5
                     while not self.stopping.is_set():
                         for note in conn.notifies(timeout=1.0):
+                            key = (note.channel, note.payload)
                             with self._changed:
-                                self._counts[(note.channel, note.payload)] += 1
+                                self._counts[key] += 1
                                 self._changed.notify_all()
+                                self._wake_async(key)
             except Exception:  # a dropped connection: waiters poll until we are back
                 self.listening.clear()
                 log.warning("store wake-ups: listener connection lost; reconnecting",
@@ -83,6 +116,11 @@ class _Listener(threading.Thread):
                 self.stopping.wait(backoff)
                 backoff = min(backoff * 2, 10.0)
         self.listening.clear()
+
+
+def _resolve(future) -> None:  # noqa: ANN001 - an asyncio.Future
+    if not future.done():
+        future.set_result(None)
 
 
 _listener: _Listener | None = None
@@ -122,6 +160,10 @@ class Waiter:
         self._listener = _get_listener()
         self._token = 0
 
+    @property
+    def token(self) -> int:
+        return self._token
+
     def start(self) -> None:
         if self._listener is not None:
             self._token = self._listener.token(self.channel, self.project_id)
@@ -135,3 +177,17 @@ class Waiter:
             return
         listener.wait(self.channel, self.project_id, self._token,
                       min(remaining, CHECK_EVERY_SECONDS))
+
+
+async def sleep_async(channel: str, project_id: int, token: int, remaining: float) -> None:
+    """`Waiter.sleep` for an event loop (store/waits.py): until the channel moves in the
+    project after `token`, `CHECK_EVERY_SECONDS` pass, or `remaining` ends."""
+    import asyncio
+
+    if remaining <= 0:
+        return
+    listener = _listener
+    if listener is None or not listener.is_alive() or not listener.listening.is_set():
+        await asyncio.sleep(min(remaining, FALLBACK_POLL_SECONDS))
+        return
+    await listener.wait_async(channel, project_id, token, min(remaining, CHECK_EVERY_SECONDS))

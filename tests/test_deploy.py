@@ -15,9 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightning_site import gunicorn_conf
 from lightning_site.queues import Queue
-from store.api import limits
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
@@ -74,21 +72,17 @@ def test_the_gpu_worker_is_only_in_the_gpu_profile(config):
     assert "worker-training-gpu" in services.stdout.split()
 
 
-def test_web_runs_gunicorn_gthread_with_a_timeout_above_the_longest_wait(config):
+def test_web_runs_the_asgi_front_under_uvicorn(config):
     web = config["services"]["web"]
     words = _command(web)
-    assert words[0] == "gunicorn"
-    module, attribute = words[1].split(":")
-    assert callable(getattr(importlib.import_module(module), attribute))
-    conf = words[words.index("-c") + 1]
-    assert conf == "python:lightning_site.gunicorn_conf"
-    assert gunicorn_conf.worker_class == "gthread"
-    timeout = int(words[words.index("--timeout") + 1])
-    assert timeout > limits.MAX_WAIT_SECONDS and timeout > limits.MAX_DEQUEUE_WAIT_SECONDS
+    assert words[:3] == ["python", "-m", "lightning_site.web"]
+    launcher = importlib.import_module("lightning_site.web")
+    assert callable(launcher.main)
     assert int(words[words.index("--threads") + 1]) > 1
+    assert int(words[words.index("--workers") + 1]) >= 1
     assert "migrate --noinput" in web["command"]
     assert "web" in web["environment"]["DJANGO_ALLOWED_HOSTS"].split(",")
-    assert web["environment"]["PROMETHEUS_MULTIPROC_DIR"]  # /metrics sums the workers
+    assert web["environment"]["PROMETHEUS_MULTIPROC_DIR"]  # /metrics sums the processes
 
 
 def test_every_service_waits_for_healthy_dependencies(config):

@@ -1,5 +1,5 @@
 """/metrics: who may scrape it, what it says about the store, and counters summed across
-gunicorn workers (prometheus-client's multiprocess mode, lightning_site/gunicorn_conf.py)."""
+server processes (prometheus-client's multiprocess mode, emptied at start by lightning_site/web.py)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from tests.celery_fixtures import wait_until
 from tests.conftest import claim, enqueue
 
 pytestmark = pytest.mark.django_db(transaction=True)
-GUNICORN_PORT = 18410
+SERVER_PORT = 18410
 
 
 def _samples(text: str) -> dict[tuple[str, frozenset], float]:
@@ -93,7 +93,7 @@ def test_gateway_completions_count_tokens_and_latency():
 
 
 @pytest.fixture
-def gunicorn_multiprocess(tmp_path):
+def server_multiprocess(tmp_path):
     metrics_dir = tmp_path / "prometheus"
     metrics_dir.mkdir()
     (metrics_dir / "counter_stale.db").write_bytes(b"left by a previous run")
@@ -101,12 +101,11 @@ def gunicorn_multiprocess(tmp_path):
            "DJANGO_SECRET_KEY": "test-suite-only", "METRICS_TOKEN": "t",
            "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gunicorn", "lightning_site.wsgi:application",
-         "-c", "python:lightning_site.gunicorn_conf", "-b", f"127.0.0.1:{GUNICORN_PORT}",
-         "--workers", "2", "--threads", "2"],
+        [sys.executable, "-m", "lightning_site.web", "--host", "127.0.0.1",
+         "--port", str(SERVER_PORT), "--workers", "2", "--threads", "2"],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True)
-    url = f"http://127.0.0.1:{GUNICORN_PORT}"
+    url = f"http://127.0.0.1:{SERVER_PORT}"
 
     def up() -> bool:
         try:
@@ -115,15 +114,15 @@ def gunicorn_multiprocess(tmp_path):
             return False
 
     try:
-        wait_until(up, timeout=60, message="gunicorn did not come up")
+        wait_until(up, timeout=60, message="the server did not come up")
         yield url
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
 
 
-def test_request_counts_are_summed_across_gunicorn_workers(gunicorn_multiprocess):
-    url = gunicorn_multiprocess
+def test_request_counts_are_summed_across_server_processes(server_multiprocess):
+    url = server_multiprocess
     with httpx.Client() as one, httpx.Client() as other:  # two connections: both workers serve
         for _ in range(10):
             one.get(url + "/v1/agl/health")

@@ -17,7 +17,7 @@ from rest_framework.authentication import BaseAuthentication, get_authorization_
 from rest_framework.permissions import BasePermission
 from rest_framework.request import Request
 
-from store import services
+from store import services, waits
 from store.models import ApiKey, Project
 
 RUNNER = ApiKey.Role.RUNNER.value
@@ -85,6 +85,7 @@ class ApiKeyAuthentication(BaseAuthentication):
         key = authenticate_key(raw)
         if key is None:
             raise exceptions.AuthenticationFailed("invalid or revoked API key")
+        waits.note_key(key.pk)
         return KeyPrincipal(project=key.project, role=key.role, key_name=key.name), key
 
     def authenticate_header(self, request: Request) -> str:

@@ -7,7 +7,7 @@ import time
 from django.db.models import Q
 from django.utils import timezone
 
-from store import wakeups
+from store import waits, wakeups
 from store.models import Attempt, Project, Rollout
 from store.services.rollouts import rollout_dequeue_many
 from store.statemachine import QUEUED
@@ -21,7 +21,7 @@ def rollout_dequeue_wait(
     """Claim like `rollout_dequeue_many`; while nothing is queued, sleep until rollouts of the
     project are queued (store/wakeups.py: Postgres NOTIFY) and look again (a cheap read over
     the claim index), for up to `wait_seconds` (capped at 20 s)."""
-    deadline = time.monotonic() + min(max(wait_seconds, 0.0), MAX_DEQUEUE_WAIT_SECONDS)
+    deadline = waits.deadline_for(min(max(wait_seconds, 0.0), MAX_DEQUEUE_WAIT_SECONDS))
     claimed = rollout_dequeue_many(project=project, worker_id=worker_id, limit=limit)
     if claimed or wait_seconds <= 0:
         return claimed
@@ -33,8 +33,8 @@ def rollout_dequeue_wait(
             if claimed:
                 return claimed
         remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return claimed
+        if remaining <= 0 or waits.defer(wakeups.QUEUED, project.pk, waiter.token, deadline):
+            return claimed  # under a deferral the server waits, then reruns the request
         waiter.sleep(remaining)
 
 

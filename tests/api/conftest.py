@@ -1,4 +1,5 @@
-"""Fixtures for the API tests: a real gunicorn server on the test database, project keys.
+"""Fixtures for the API tests: a real server on the test database (the ASGI front under
+uvicorn, as deployed; gunicorn on request), project keys.
 
 The server is one subprocess per test
 session on a free port in 18000-18099; it reads the rows the tests commit (tests that talk
@@ -48,11 +49,14 @@ def database_url_for_tests() -> str:
 
 
 class Server:
-    """A gunicorn process serving lightning_site on 127.0.0.1:port."""
+    """A server process serving lightning_site on 127.0.0.1:port: `kind` "uvicorn" (the ASGI
+    front, lightning_site/asgi.py, as `./lightning serve` and compose run it) or "gunicorn"
+    (Django's WSGI application under gthread); `args` are added to its command line."""
 
     def __init__(self, port: int, *, workers: int = 2, threads: int = 8,
-                 env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> None:
-        self.port = port
+                 env: dict[str, str] | None = None, args: tuple[str, ...] = (),
+                 kind: str = "uvicorn") -> None:
+        self.port, self.kind = port, kind
         self.args = args
         self.url = f"http://127.0.0.1:{port}"
         self.workers, self.threads = workers, threads
@@ -60,14 +64,21 @@ class Server:
                     "DJANGO_SECRET_KEY": "test-suite-only", "LOG_LEVEL": "WARNING",
                     **(env or {})}
         self.proc: subprocess.Popen | None = None
-        self.log = ROOT / "var" / f"test-gunicorn-{port}.log"
+        self.log = ROOT / "var" / f"test-{kind}-{port}.log"
 
     def start(self) -> Server:
         self.log.parent.mkdir(exist_ok=True)
-        cmd = [sys.executable, "-m", "gunicorn", "lightning_site.wsgi",
-               "-b", f"127.0.0.1:{self.port}", "-k", "gthread", "-w", str(self.workers),
-               "--threads", str(self.threads), "--graceful-timeout", "5", "--timeout", "90",
-               *self.args]
+        if self.kind == "gunicorn":
+            cmd = [sys.executable, "-m", "gunicorn", "lightning_site.wsgi",
+                   "-b", f"127.0.0.1:{self.port}", "-k", "gthread", "-w", str(self.workers),
+                   "--threads", str(self.threads), "--graceful-timeout", "5", "--timeout", "90",
+                   *self.args]
+        else:
+            cmd = [sys.executable, "-m", "uvicorn", "lightning_site.asgi:application",
+                   "--host", "127.0.0.1", "--port", str(self.port),
+                   "--workers", str(self.workers), "--timeout-graceful-shutdown", "5",
+                   *self.args]
+            self.env["WEB_THREADS"] = str(self.threads)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=log,
                                          start_new_session=True)
@@ -77,14 +88,14 @@ class Server:
     def wait_ready(self, attempts: int = 300) -> None:
         for _ in range(attempts):
             if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"gunicorn exited; see {self.log}")
+                raise RuntimeError(f"{self.kind} exited; see {self.log}")
             try:
                 if httpx.get(self.url + "/v1/agl/health", timeout=1).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
-        raise RuntimeError(f"gunicorn did not come up; see {self.log}")
+        raise RuntimeError(f"{self.kind} did not come up; see {self.log}")
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -99,7 +110,7 @@ class Server:
 
 def start_server(**kwargs) -> Server:
     """A server on a free port; another process may take the port between our check and
-    gunicorn's bind (parallel test sessions), so try a few."""
+    the server's bind (parallel test sessions), so try a few."""
     tried: set[int] = set()
     for _ in range(5):
         server = Server(free_port(exclude=tried), **kwargs)
@@ -108,7 +119,7 @@ def start_server(**kwargs) -> Server:
             return server.start()
         except RuntimeError:
             server.stop()
-    raise RuntimeError(f"gunicorn could not start on any of {sorted(tried)}")
+    raise RuntimeError(f"the server could not start on any of {sorted(tried)}")
 
 
 @pytest.fixture(scope="session")

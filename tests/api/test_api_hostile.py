@@ -246,7 +246,7 @@ def test_a_chunked_otlp_upload_without_content_length_is_stored(api_server, keys
 def test_gunicorns_access_log_never_shows_a_key(keys: Keys, tmp_path):
     """The access log showed the Basic auth user (where a key may sit) and `?key=...`."""
     log = tmp_path / "access.log"
-    server = start_server(workers=1, threads=2, args=(
+    server = start_server(kind="gunicorn", workers=1, threads=2, args=(
         "-c", "python:lightning_site.gunicorn_conf", "--access-logfile", str(log),
         "--access-logformat",
         '%(h)s %(u)s "%(r)s" %(q)s %(s)s "%(f)s" "%({authorization}i)s"'))

@@ -1,5 +1,5 @@
 """`./lightning serve`: the one-command store (AGL's `agl store`): migrate, a default project
-and key on first start, then the API server under gunicorn with threads."""
+and key on first start, then the API server (lightning_site/web.py: uvicorn, the ASGI front)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def _port_from_env() -> int:
 class Command(BaseCommand):
     help = ("Serve the store's API (Agent Lightning 0.3 protocol) with one command: migrate, "
             "create the project and an algorithm key on first start (the key is printed "
-            "once), then run gunicorn. Example: ./lightning serve --port 4747")
+            "once), then run the API server. Example: ./lightning serve --port 4747")
 
     def add_arguments(self, parser):
         parser.add_argument("--host", default="127.0.0.1",
@@ -38,7 +38,7 @@ class Command(BaseCommand):
         parser.add_argument("--project", default="default",
                             help="project made on first start (default: default)")
         parser.add_argument("--workers", type=int, default=2,
-                            help="gunicorn worker processes, 8 threads each (default 2)")
+                            help="server processes, 8 threads each (default 2)")
 
     def handle(self, *args, host, port, project, workers, **options):
         port = port or _port_from_env()
@@ -57,16 +57,13 @@ class Command(BaseCommand):
         self.stdout.write(f"Store API at http://{shown}:{port}/v1/agl (docs: /api/docs/), "
                           f"on {where}; Ctrl-C stops it.")
         self.stdout.flush()
-        self._exec_gunicorn(host, port, workers)
+        self._exec_server(host, port, workers)
 
-    def _exec_gunicorn(self, host: str, port: int, workers: int) -> None:
+    def _exec_server(self, host: str, port: int, workers: int) -> None:
         env = dict(os.environ)
-        # Several workers share /metrics counters through a folder of their own (gunicorn's
-        # on_starting empties it).
+        # Several processes share /metrics counters through a folder of their own (emptied at
+        # start by lightning_site/web.py).
         env.setdefault("PROMETHEUS_MULTIPROC_DIR", str(settings.DATA_DIR / f"metrics-{port}"))
-        bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        argv = [sys.executable, "-m", "gunicorn", "lightning_site.wsgi:application",
-                "-c", "python:lightning_site.gunicorn_conf", "--bind", bind,
-                "--workers", str(workers), "--threads", "8", "--timeout", "90",
-                "--log-level", "warning"]
+        argv = [sys.executable, "-m", "lightning_site.web", "--host", host, "--port", str(port),
+                "--workers", str(workers), "--threads", "8"]
         os.execve(sys.executable, argv, env)

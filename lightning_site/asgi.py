@@ -1,0 +1,248 @@
+"""The API server: an ASGI front (under uvicorn) over the Django application.
+
+    uvicorn lightning_site.asgi:application --workers 2    (./lightning serve does this)
+
+What it adds over running Django under gunicorn's threads:
+
+- **Waits hold no thread.** `waits/rollouts` and a long-polled dequeue run on a pool thread
+  with a deferral (store/waits.py): the view checks once and, where it would sleep, the front
+  instead waits for the wake-up on the event loop (Postgres NOTIFY through
+  store/wakeups.py), then runs the request again with the same deadline. A thousand waiting
+  requests cost a thousand futures, not a thousand threads; the pool stays free for others.
+- **A cap on concurrent waits** per API key and per project (STORE_API_MAX_WAITS_PER_KEY,
+  STORE_API_MAX_WAITS_PER_PROJECT, counted per server process): a request that would wait
+  past the cap is answered 429 with `Retry-After` and nothing waits.
+- **Slow clients pin nothing.** The front reads the whole body on the event loop before any
+  thread sees the request (the pool never waits on a socket); a body that has not arrived
+  within WEB_BODY_TIMEOUT_SECONDS is answered 408, one larger than STORE_API_MAX_BODY_BYTES
+  without a Content-Length 413 (with one, the view answers 413 as before, unread). uvicorn
+  itself bounds slow headers (h11's limits) and idle keep-alive connections.
+- A body sent without Content-Length (chunked) is handed to Django with its length, so it is
+  read, not taken for empty.
+
+Every other request (and each run of a waiting one) goes through Django's WSGI handler on a
+pool of WEB_THREADS threads, unchanged: the same views, validation, statuses and bodies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import sys
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "lightning_site.settings")
+
+from django.conf import settings  # noqa: E402
+from django.core.wsgi import get_wsgi_application  # noqa: E402
+
+from store import waits, wakeups  # noqa: E402
+
+_JSON = [(b"content-type", b"application/json")]
+RETRY_AFTER_SECONDS = 2
+
+
+class WaitSlots:
+    """Concurrent waits per API key and per project, in this process (the event loop's
+    thread only: no lock)."""
+
+    def __init__(self, per_key: int, per_project: int) -> None:
+        self.per_key, self.per_project = per_key, per_project
+        self.keys: Counter = Counter()
+        self.projects: Counter = Counter()
+
+    def take(self, key: Any, project: int) -> str | None:
+        """None when a slot was taken; else the refusal's message."""
+        if self.keys[key] >= self.per_key:
+            return (f"too many waiting requests for this API key (at most {self.per_key} "
+                    "at a time); retry later")
+        if self.projects[project] >= self.per_project:
+            return (f"too many waiting requests in this project (at most {self.per_project} "
+                    "at a time); retry later")
+        self.keys[key] += 1
+        self.projects[project] += 1
+        return None
+
+    def give(self, key: Any, project: int) -> None:
+        for counter, name in ((self.keys, key), (self.projects, project)):
+            counter[name] -= 1
+            if counter[name] <= 0:
+                del counter[name]
+
+
+class Front:
+    def __init__(self, wsgi, *, threads: int, body_timeout: float, max_body: int,
+                 slots: WaitSlots) -> None:
+        self.wsgi = wsgi
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="web")
+        self.body_timeout, self.max_body, self.slots = body_timeout, max_body, slots
+
+    async def __call__(self, scope: dict, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        body = await self._read_body(scope, receive, send)
+        if body is None:
+            return
+        loop = asyncio.get_running_loop()
+        deferral = waits.Deferral()
+        answer = await loop.run_in_executor(self.pool, self._run, scope, body, deferral)
+        plan = deferral.plan
+        if plan is not None:
+            answer = await self._wait(loop, scope, body, deferral, plan)
+        await self._send(send, *answer)
+
+    async def _wait(self, loop, scope: dict, body: bytes, deferral: waits.Deferral,
+                    plan: waits.Plan) -> tuple:
+        """The view would sleep: wait on the loop, rerun, until it answers without a plan."""
+        key = (plan.project_id, deferral.key)
+        refused = self.slots.take(key, plan.project_id)
+        if refused is not None:
+            return 429, _JSON + [(b"retry-after", str(RETRY_AFTER_SECONDS).encode())], \
+                _detail(refused)
+        try:
+            while True:
+                remaining = plan.deadline - time.monotonic()
+                await wakeups.sleep_async(plan.channel, plan.project_id, plan.token, remaining)
+                deferral = waits.Deferral(deadline=plan.deadline, key=deferral.key)
+                answer = await loop.run_in_executor(self.pool, self._run, scope, body,
+                                                    deferral)
+                if deferral.plan is None:
+                    return answer
+                plan = deferral.plan
+        finally:
+            self.slots.give(key, plan.project_id)
+
+    async def _read_body(self, scope: dict, receive, send) -> bytes | None:
+        """The whole body, or None after answering 408/413 (or when the client went away)."""
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body:
+            return b""  # the view refuses it by its Content-Length, unread (413)
+        parts: list[bytes] = []
+        size = 0
+        deadline = time.monotonic() + self.body_timeout
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), deadline - time.monotonic())
+            except TimeoutError:
+                await self._send(send, 408, _JSON + [(b"connection", b"close")],
+                                 _detail("request body not received in time"))
+                return None
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                await self._send(send, 413, _JSON + [(b"connection", b"close")],
+                                 _detail(f"request body over {self.max_body} bytes"))
+                return None
+            parts.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(parts)
+
+    def _run(self, scope: dict, body: bytes, deferral: waits.Deferral) -> tuple:
+        """One run of the request through Django (on a pool thread)."""
+        captured: list = []
+
+        def start_response(status: str, headers: list, exc_info: Any = None) -> None:
+            captured[:] = [int(status.split(" ", 1)[0]),
+                           [(k.lower().encode("latin-1"), v.encode("latin-1"))
+                            for k, v in headers]]
+
+        waits.install(deferral)
+        try:
+            result = self.wsgi(_environ(scope, body), start_response)
+            try:
+                content = b"".join(result)
+            finally:
+                close = getattr(result, "close", None)
+                if close is not None:
+                    close()
+        finally:
+            waits.install(None)
+        return captured[0], captured[1], content
+
+    @staticmethod
+    async def _send(send, status: int, headers: list, content: bytes) -> None:
+        headers = [h for h in headers if h[0] != b"content-length"]
+        headers.append((b"content-length", str(len(content)).encode()))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": content})
+
+    async def _lifespan(self, receive, send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                self.pool.shutdown(wait=False, cancel_futures=True)
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+def _detail(message: str) -> bytes:
+    return json.dumps({"detail": message}).encode()
+
+
+def _header(scope: dict, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+def _environ(scope: dict, body: bytes) -> dict:
+    server = scope.get("server") or ("localhost", 80)
+    client = scope.get("client") or ("", 0)
+    environ = {
+        "REQUEST_METHOD": scope["method"],
+        "SCRIPT_NAME": scope.get("root_path", "").encode().decode("latin-1"),
+        "PATH_INFO": scope["path"].encode().decode("latin-1"),
+        "QUERY_STRING": scope["query_string"].decode("latin-1"),
+        "SERVER_NAME": str(server[0]),
+        "SERVER_PORT": str(server[1]),
+        "REMOTE_ADDR": client[0],
+        "SERVER_PROTOCOL": f"HTTP/{scope.get('http_version', '1.1')}",
+        "wsgi.version": (1, 0),
+        "wsgi.url_scheme": scope.get("scheme", "http"),
+        "wsgi.input": io.BytesIO(body),
+        "wsgi.errors": sys.stderr,
+        "wsgi.multithread": True,
+        "wsgi.multiprocess": True,
+        "wsgi.run_once": False,
+    }
+    for raw_name, raw_value in scope["headers"]:
+        name = raw_name.decode("latin-1").upper().replace("-", "_")
+        value = raw_value.decode("latin-1")
+        if name == "CONTENT_TYPE":
+            environ["CONTENT_TYPE"] = value
+            continue
+        if name == "CONTENT_LENGTH":
+            environ["CONTENT_LENGTH"] = value
+            continue
+        name = f"HTTP_{name}"
+        environ[name] = f"{environ[name]},{value}" if name in environ else value
+    if "CONTENT_LENGTH" not in environ and body:
+        environ["CONTENT_LENGTH"] = str(len(body))  # chunked: Django reads what we have
+    return environ
+
+
+def build() -> Front:
+    return Front(
+        get_wsgi_application(),
+        threads=int(os.environ.get("WEB_THREADS", "8")),
+        body_timeout=settings.WEB_BODY_TIMEOUT_SECONDS,
+        max_body=settings.STORE_API_MAX_BODY_BYTES,
+        slots=WaitSlots(settings.STORE_API_MAX_WAITS_PER_KEY,
+                        settings.STORE_API_MAX_WAITS_PER_PROJECT),
+    )
+
+
+application = build()

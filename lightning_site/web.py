@@ -1,0 +1,49 @@
+"""The API server's command: `python -m lightning_site.web [--host H] [--port P] [--workers N]
+[--threads T]`: uvicorn running the ASGI front (lightning_site/asgi.py), N processes, each with
+an event loop for connections, bodies and waits, and T threads for Django's views.
+
+No worker timeout is needed: waits are held on the event loop, not by a thread, so a long
+`waits/rollouts` cannot starve or outlive a worker (gunicorn's gthread workers needed a timeout
+above the longest wait). No access log: request lines would carry `?key=` and Basic user names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+
+def reset_metrics_dir() -> None:
+    """prometheus-client's multiprocess mode (lightning_site/metrics.py): the processes share
+    their counters through PROMETHEUS_MULTIPROC_DIR; start from an empty folder."""
+    folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if folder:
+        path = Path(folder)
+        path.mkdir(parents=True, exist_ok=True)
+        for entry in path.iterdir():
+            entry.unlink()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m lightning_site.web",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
+    parser.add_argument("--workers", type=int, default=int(os.environ.get("WEB_WORKERS", "4")),
+                        help="server processes (default $WEB_WORKERS, else 4)")
+    parser.add_argument("--threads", type=int, default=int(os.environ.get("WEB_THREADS", "8")),
+                        help="threads for Django's views per process (default $WEB_THREADS, "
+                             "else 8)")
+    args = parser.parse_args(argv)
+    os.environ["WEB_THREADS"] = str(args.threads)  # read by lightning_site.asgi in each process
+    reset_metrics_dir()
+    import uvicorn
+
+    uvicorn.run("lightning_site.asgi:application", host=args.host.strip("[]"), port=args.port,
+                workers=args.workers, log_level="warning", access_log=False,
+                timeout_keep_alive=5, timeout_graceful_shutdown=10)
+
+
+if __name__ == "__main__":
+    main()
