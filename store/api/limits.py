@@ -15,10 +15,10 @@ MAX_ATTRIBUTE_LENGTH: int = getattr(settings, "STORE_API_MAX_ATTRIBUTE_LENGTH", 
 MAX_ATTRIBUTES_PER_SPAN: int = 1000
 # OTLP: a request's `resource` is stored with each of its spans. The copies beyond the first
 # may add at most this many times the request's own size, plus RESOURCE_COPY_ALLOWANCE bytes
-# (an exporter's batch of small spans sharing a modest resource), so what a request stores
-# stays a small multiple of what it sent.
+# (an exporter's batch of up to 512 spans, however small, sharing a resource of 500 bytes), so
+# what a request stores stays a small multiple of what it sent.
 RESOURCE_COPY_FACTOR: int = 4
-RESOURCE_COPY_ALLOWANCE: int = 64 * 1024
+RESOURCE_COPY_ALLOWANCE: int = 256 * 1024
 # Rollouts enqueued or dequeued by one request.
 MAX_ROLLOUTS_PER_REQUEST: int = 1000
 # Server-side waits: wait_for_rollouts up to a minute, a dequeue long-poll briefly.
