@@ -1,0 +1,152 @@
+"""Span-only transactions commit asynchronously (store/services/spans.py,
+`_commit_asynchronously`); an attempt's completion commits synchronously and so flushes them.
+
+The crash test runs its own throwaway Postgres (initdb in a temporary folder, its own port,
+never the shared cluster), serves it with the API server, posts spans and the completion over
+HTTP, and kills Postgres (`pg_ctl stop -m immediate`: no checkpoint, no WAL flush) the moment
+the completion is acknowledged; after recovery, the spans and the verdict are there. The
+WAL writer is slowed to its maximum (10 s), so the completion's own flush is what saves them.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+import psycopg
+import pytest
+from django.db import transaction
+from django.test.utils import CaptureQueriesContext
+
+from store import services
+from tests.api.conftest import ROOT, start_server
+from tests.conftest import claim, enqueue
+
+ASYNC = "SET LOCAL synchronous_commit = off"
+
+
+def _span(rollout_id: str, attempt_id: str, index: int) -> dict:
+    return {"rollout_id": rollout_id, "attempt_id": attempt_id, "trace_id": "a" * 32,
+            "span_id": f"{index:016x}", "name": f"step.{index}", "start_time": 1.0,
+            "end_time": 2.0, "attributes": {"i": index}}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_span_only_transaction_commits_asynchronously_unless_inside_another(project):
+    enqueue(project, 1)
+    rollout, attempt = claim(project)
+    from django.db import connection
+
+    with CaptureQueriesContext(connection) as alone:
+        services.spans_ingest(project=project, spans=[_span(rollout.pk, attempt.attempt_id, 0)])
+    assert ASYNC in [q["sql"] for q in alone.captured_queries]
+    with CaptureQueriesContext(connection) as nested, transaction.atomic():
+        services.spans_ingest(project=project, spans=[_span(rollout.pk, attempt.attempt_id, 1)])
+    assert ASYNC not in [q["sql"] for q in nested.captured_queries]
+    with CaptureQueriesContext(connection) as finish:
+        services.attempt_update(project=project, rollout_id=rollout.pk,
+                                attempt_id=attempt.attempt_id, status="succeeded")
+    assert not any("synchronous_commit" in q["sql"] for q in finish.captured_queries)
+
+
+def _bin(name: str) -> str | None:
+    found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
+    return found[-1] if found else shutil.which(name)
+
+
+class PrivatePostgres:
+    """A Postgres cluster of its own, run as the `postgres` user (initdb refuses root)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.dir = Path(tempfile.mkdtemp(prefix="lightning-pg-"))
+        shutil.chown(self.dir, "postgres", "postgres")
+        self.data = self.dir / "data"
+
+    def _as_postgres(self, *cmd: str) -> None:
+        subprocess.run(["runuser", "-u", "postgres", "--", *cmd], check=True,
+                       capture_output=True, timeout=120)
+
+    def init(self) -> None:
+        self._as_postgres(_bin("initdb"), "-D", str(self.data), "-A", "trust", "-U",
+                          "postgres", "--no-sync")
+
+    def start(self) -> None:
+        options = (f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 "
+                   "-c fsync=on -c synchronous_commit=on -c wal_writer_delay=10000ms "
+                   "-c autovacuum=off")
+        self._as_postgres(_bin("pg_ctl"), "-D", str(self.data), "-o", options, "-w",
+                          "-l", str(self.dir / "log"), "start")
+
+    def crash(self) -> None:
+        self._as_postgres(_bin("pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w",
+                          "stop")
+
+    def remove(self) -> None:
+        try:
+            self.crash()
+        except subprocess.CalledProcessError:
+            pass
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def url(self, database: str = "lightning") -> str:
+        return f"postgres://postgres@127.0.0.1:{self.port}/{database}"
+
+
+@pytest.fixture
+def private_postgres():
+    if os.geteuid() != 0 or not _bin("initdb") or not shutil.which("runuser"):
+        pytest.skip("needs root, runuser and Postgres' initdb to run a throwaway cluster")
+    cluster = PrivatePostgres(18472)
+    try:
+        cluster.init()
+        cluster.start()
+        with psycopg.connect(cluster.url("postgres"), autocommit=True) as conn:
+            conn.execute("CREATE DATABASE lightning")
+        yield cluster
+    finally:
+        cluster.remove()
+
+
+def _manage(database_url: str, *args: str) -> str:
+    env = {**os.environ, "DATABASE_URL": database_url, "DJANGO_SECRET_KEY": "test-suite-only",
+           "DJANGO_SETTINGS_MODULE": "lightning_site.settings"}
+    done = subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300, check=True)
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_spans_of_a_completed_attempt_survive_a_crash_right_after_the_answer(
+        private_postgres):
+    url = private_postgres.url()
+    _manage(url, "migrate", "--noinput", "-v0")
+    out = _manage(url, "project_create", "durable", "--key", "algorithm")
+    key = out.strip().rsplit(" ", 1)[-1]
+    server = start_server(workers=1, threads=2, env={"DATABASE_URL": url})
+    try:
+        with httpx.Client(base_url=server.url + "/v1/agl", timeout=30,
+                          headers={"Authorization": f"Bearer {key}"}) as client:
+            started = client.post("/rollouts", json={"input": {"x": 1}}).json()
+            rid, aid = started["rollout_id"], started["attempt"]["attempt_id"]
+            for index in range(4):
+                answer = client.post("/spans", json=_span(rid, aid, index))
+                assert answer.status_code == 201, answer.text
+            done = client.post(f"/rollouts/{rid}/attempts/{aid}", json={"status": "succeeded"})
+            assert done.status_code == 200, done.text
+            private_postgres.crash()  # the moment the completion is acknowledged
+    finally:
+        server.stop()
+    private_postgres.start()  # recovery replays the WAL that reached the disk
+    with psycopg.connect(url) as conn:
+        spans = conn.execute("SELECT count(*) FROM store_span WHERE rollout_id = %s",
+                             [rid]).fetchone()[0]
+        status = conn.execute("SELECT status FROM store_attempt WHERE attempt_id = %s",
+                              [aid]).fetchone()[0]
+    assert (spans, status) == (4, "succeeded")
