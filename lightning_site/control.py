@@ -43,3 +43,28 @@ def run_reconcilers() -> dict[str, int]:
             log.exception("reconciler %s failed", name)
             counts[name] = -1
     return counts
+
+
+# Takeovers: what a Celery worker starting under its node name runs first, to take over work
+# that dead processes of that node still hold (a worker killed with -9 and restarted). Each
+# takes (node name, this process's pid) and returns how many things it took over.
+Takeover = Callable[[str, int], int]
+_takeovers: dict[str, Takeover] = {}
+
+
+def register_takeover(name: str, takeover: Takeover) -> Takeover:
+    """Register (or replace) the takeover called `name`."""
+    _takeovers[name] = takeover
+    return takeover
+
+
+def run_takeovers(node: str, pid: int) -> dict[str, int]:
+    """Run each takeover; one that raises is logged and reported as -1, the others run."""
+    counts: dict[str, int] = {}
+    for name, takeover in list(_takeovers.items()):
+        try:
+            counts[name] = int(takeover(node, pid) or 0)
+        except Exception:  # one app's bug must not stop the others' takeover
+            log.exception("takeover %s failed", name)
+            counts[name] = -1
+    return counts

@@ -4,6 +4,7 @@ from django.apps import AppConfig
 from django.core import checks
 
 from lightning_site.celery import app as celery_app
+from lightning_site.control import register_takeover
 from runners.checks import check_settings
 
 
@@ -15,3 +16,8 @@ class RunnersConfig(AppConfig):
         checks.register(check_settings)
         # Every worker of this app registers itself (host, queues, CPUs, CUDA) and heartbeats.
         celery_app.steps["worker"].add("runners.worker_registry:WorkerRegistryStep")
+        # A worker restarted under its node name takes over its dead processes' rollouts.
+        from runners import services
+
+        register_takeover("rollouts", lambda node, pid: len(
+            services.celery_worker_take_over(name=node, pid=pid)))

@@ -26,9 +26,9 @@ from runners.models import CeleryWorker
 from store import services as store_services
 from store import watchdog
 from store.errors import IllegalTransition, InvalidInput
-from store.models import Project, Rollout
+from store.models import Attempt, Project, Rollout
 from store.services import Dispatch, RolloutSpec
-from store.statemachine import ATTEMPT_LIVE, AttemptStatus
+from store.statemachine import ATTEMPT_LIVE, QUEUED, AttemptStatus
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +122,42 @@ def _take_over_from_dead(project: Project, rollout_id: str, worker_id: str) -> b
     except IllegalTransition:
         return False  # it reported in the meantime
     return True
+
+
+def celery_worker_take_over(*, name: str, pid: int) -> list[str]:
+    """A worker starting under its node name takes over what dead processes of that node
+    still hold: their live attempts are marked unresponsive now (as the watchdog would after
+    `unresponsive_seconds`), and the rollouts that go back to the queue get a message now.
+    Needed where the broker does not give the dead worker's messages back at once (Redis keeps
+    an unacknowledged message until its visibility timeout). A process id that is alive again
+    (reused) is left to the watchdog. Returns the rollout ids taken over."""
+    prefix = f"celery:{name}:"
+    # Served by the partial index attempt_live_deadline (the trainer's and Celery's rollouts
+    # always have a deadline); few rows.
+    held = (Attempt.objects.filter(status__in=ATTEMPT_LIVE, deadline__isnull=False,
+                                   worker_id__startswith=prefix)
+            .select_related("rollout__project").order_by("pk"))
+    taken: list[str] = []
+    for attempt in held:
+        holder = attempt.worker_id[len(prefix):]
+        if not holder.isdigit() or int(holder) == pid or process_alive(int(holder)):
+            continue
+        log.warning("rollout %s: its attempt %s belonged to %s, which is gone; taking over",
+                    attempt.rollout_id, attempt.attempt_id, attempt.worker_id)
+        try:
+            store_services.attempt_update(
+                project=attempt.rollout.project, rollout_id=attempt.rollout_id,
+                attempt_id=attempt.attempt_id, status=AttemptStatus.UNRESPONSIVE)
+        except IllegalTransition:
+            continue  # it reported in the meantime
+        taken.append(attempt.rollout_id)
+    requeued = Rollout.objects.filter(pk__in=taken, status__in=QUEUED, dispatch=CELERY)
+    dispatches_send([
+        Dispatch(rollout_id=r.pk, project_id=r.project_id, dispatch=r.dispatch,
+                 target=r.dispatch_target)
+        for r in requeued.order_by("pk")
+    ])
+    return taken
 
 
 def rollouts_enqueue_for_celery(

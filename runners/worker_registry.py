@@ -11,6 +11,7 @@ from celery import bootsteps
 from django.conf import settings
 from django.db import close_old_connections
 
+from lightning_site import control
 from runners import hardware, services
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,8 @@ class WorkerRegistryStep(bootsteps.StartStopStep):
             pid=self.pid, queues=served, concurrency=worker.concurrency or 1,
             hardware=hardware.describe(),
         )
+        # Attempts held by dead processes of this node (the worker was killed and restarted).
+        self._safely(control.run_takeovers, node=worker.hostname, pid=self.pid)
         self.tref = worker.timer.call_repeatedly(
             settings.WORKERS_HEARTBEAT_SECONDS, self._heartbeat, (worker.hostname,)
         )

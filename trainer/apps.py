@@ -1,6 +1,6 @@
 from django.apps import AppConfig
 
-from lightning_site.control import register_reconciler
+from lightning_site.control import register_reconciler, register_takeover
 from store import hooks
 
 
@@ -21,3 +21,6 @@ class TrainerConfig(AppConfig):
         # The control sweep re-sends training steps left by a dead worker (and steps whose
         # completion was not acted on, or whose deadline passed).
         register_reconciler("training_steps", services.steps_redispatch)
+        # A training worker restarted under its node name takes back its dead processes' steps
+        # at once instead of after their lease.
+        register_takeover("training_steps", services.steps_take_over)

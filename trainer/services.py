@@ -597,6 +597,28 @@ def _resend_due(step: TrainingStep, now: datetime, force: bool) -> bool:
 
 
 
+def steps_take_over(node: str, pid: int) -> int:
+    """A Celery worker starting under node name `node` takes back the steps that dead
+    processes of that node hold ("celery:<node>:<pid>"): their lease ends now and their train
+    task is sent again (Redis would give the killed worker's message back only after its
+    visibility timeout). A process id alive again (reused) is left to its lease."""
+    prefix = f"celery:{node}:"
+    now = _now()
+    taken = 0
+    held = TrainingStep.objects.filter(status=StepStatus.TRAINING, worker__startswith=prefix,
+                                       job__status=JobStatus.RUNNING).select_related("job")
+    for step in held.order_by("pk"):
+        holder = step.worker[len(prefix):]
+        if not holder.isdigit() or int(holder) == pid or process_alive(int(holder)):
+            continue
+        if step_move(step.pk, expect=[StepStatus.TRAINING], to=None,
+                     where=Q(worker=step.worker, attempts=step.attempts), now=now,
+                     lease_until=now - timedelta(seconds=1)):
+            step.refresh_from_db()
+            taken += _resend_due(step, now, force=True)
+    return taken
+
+
 def steps_redispatch() -> int:
     """The reconciler the control sweep runs (lightning_site.control): how many steps it moved
     to ready or sent again."""

@@ -1,0 +1,82 @@
+"""A Celery worker restarted under its node name takes over, at start, the attempts its dead
+processes held (Redis keeps a killed worker's unacknowledged messages until the visibility
+timeout, so no redelivery triggers the takeover there)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from lightning_site import control
+from runners import services
+from store import services as store_services
+from store.models import Rollout
+from store.services import RolloutSpec
+
+pytestmark = pytest.mark.django_db
+
+
+def _dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def _held_by(project, worker_id: str, **config) -> Rollout:
+    rollout = services.rollouts_enqueue_for_celery(
+        project=project, agent="examples.hello:agent",
+        specs=[RolloutSpec(input="x", config={"max_attempts": 2, "retry_condition": ["unresponsive"], **config})])[0]
+    claimed = store_services.rollout_claim(project=project, rollout_id=rollout.pk,
+                                           worker_id=worker_id)
+    assert claimed is not None
+    return rollout
+
+
+def test_a_restarted_worker_takes_over_from_its_dead_processes_at_once(project, monkeypatch):
+    sent = []
+    monkeypatch.setattr(services, "dispatches_send", sent.extend)
+    dead = _held_by(project, f"celery:node@h:{_dead_pid()}")
+    alive = _held_by(project, f"celery:node@h:{os.getppid()}")  # a live process: its own
+    other_node = _held_by(project, f"celery:other@h:{_dead_pid()}")  # not this node's
+    taken = services.celery_worker_take_over(name="node@h", pid=os.getpid())
+    assert taken == [dead.pk]
+    statuses = dict(Rollout.objects.values_list("pk", "status"))
+    assert statuses[dead.pk] == "requeuing"
+    assert statuses[alive.pk] == statuses[other_node.pk] == "preparing"
+    dead.refresh_from_db()
+    assert dead.latest_attempt.status == "unresponsive"
+    assert [d.rollout_id for d in sent] == [dead.pk]  # its message goes out now
+
+
+def test_a_rollout_without_tries_left_fails_and_gets_no_message(project, monkeypatch):
+    sent = []
+    monkeypatch.setattr(services, "dispatches_send", sent.extend)
+    dead = _held_by(project, f"celery:node@h:{_dead_pid()}", max_attempts=1)
+    assert services.celery_worker_take_over(name="node@h", pid=os.getpid()) == [dead.pk]
+    assert Rollout.objects.get(pk=dead.pk).status == "failed" and sent == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_restarted_training_worker_takes_its_dead_processes_steps_back(
+        monkeypatch, tmp_path, settings):
+    from tests.test_trainer_services import make_job
+    from tests.trainer_helpers import capture_sends, run_rollouts
+    from trainer import services as trainer_services
+
+    settings.STORAGES = {**settings.STORAGES, "checkpoints": {
+        "BACKEND": "django.core.files.storage.FileSystemStorage",
+        "OPTIONS": {"location": str(tmp_path)}}}
+    sent = capture_sends(monkeypatch)
+    job = trainer_services.job_start(job_id=make_job().pk)
+    run_rollouts(job)
+    step = job.steps.get()
+    sent.train_steps.clear()
+    assert trainer_services.step_claim(step_id=step.pk, worker=f"celery:node@h:{_dead_pid()}")
+    assert trainer_services.step_claim(step_id=step.pk, worker="celery:other@h:1") is None
+    counts = control.run_takeovers("node@h", os.getpid())
+    assert counts["training_steps"] == 1 and counts["rollouts"] == 0
+    assert sent.train_steps == [step.pk]  # sent again now, not after the lease
+    assert trainer_services.step_claim(step_id=step.pk, worker="celery:other@h:1") is not None
