@@ -20,6 +20,10 @@ What it adds over running Django under gunicorn's threads:
 - A body sent without Content-Length (chunked) is handed to Django with its length, so it is
   read, not taken for empty.
 
+- A lean path for OTLP protobuf exports (store/api/fastpath.py), the bulk of a runner's
+  requests: the common well-formed case without Django's middleware and DRF, the same answer;
+  anything else falls through to Django.
+
 Every other request (and each run of a waiting one) goes through Django's WSGI handler on a
 pool of WEB_THREADS threads, unchanged: the same views, validation, statuses and bodies.
 """
@@ -41,7 +45,11 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "lightning_site.settings")
 from django.conf import settings  # noqa: E402
 from django.core.wsgi import get_wsgi_application  # noqa: E402
 
+_django = get_wsgi_application()  # sets Django up: the imports below need it
+
+from lightning_site.metrics import http_latency, http_requests  # noqa: E402
 from store import waits, wakeups  # noqa: E402
+from store.api import fastpath  # noqa: E402
 
 _JSON = [(b"content-type", b"application/json")]
 RETRY_AFTER_SECONDS = 2
@@ -77,8 +85,8 @@ class WaitSlots:
 
 class Front:
     def __init__(self, wsgi, *, threads: int, body_timeout: float, max_body: int,
-                 slots: WaitSlots) -> None:
-        self.wsgi = wsgi
+                 slots: WaitSlots, fast=None) -> None:  # noqa: ANN001 - fastpath.otlp_traces
+        self.wsgi, self.fast = wsgi, fast
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="web")
         self.body_timeout, self.max_body, self.slots = body_timeout, max_body, slots
 
@@ -92,6 +100,12 @@ class Front:
         if body is None:
             return
         loop = asyncio.get_running_loop()
+        if self.fast is not None and scope["path"] == fastpath.TRACES_PATH \
+                and scope["method"] == "POST":
+            answer = await loop.run_in_executor(self.pool, self._fast, scope, body)
+            if answer is not None:
+                await self._send(send, *answer)
+                return
         deferral = waits.Deferral()
         answer = await loop.run_in_executor(self.pool, self._run, scope, body, deferral)
         plan = deferral.plan
@@ -146,6 +160,15 @@ class Front:
             parts.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(parts)
+
+    def _fast(self, scope: dict, body: bytes) -> tuple | None:
+        """The OTLP lean path (store/api/fastpath.py), counted in /metrics like Django's."""
+        started = time.perf_counter()
+        answer = self.fast(dict(scope["headers"]), body)
+        if answer is not None:
+            http_latency.labels(fastpath.TRACES_PATH).observe(time.perf_counter() - started)
+            http_requests.labels(fastpath.TRACES_PATH, "POST", str(answer[0])).inc()
+        return answer
 
     def _run(self, scope: dict, body: bytes, deferral: waits.Deferral) -> tuple:
         """One run of the request through Django (on a pool thread)."""
@@ -236,7 +259,8 @@ def _environ(scope: dict, body: bytes) -> dict:
 
 def build() -> Front:
     return Front(
-        get_wsgi_application(),
+        _django,
+        fast=fastpath.otlp_traces if fastpath.enabled() else None,
         threads=int(os.environ.get("WEB_THREADS", "8")),
         body_timeout=settings.WEB_BODY_TIMEOUT_SECONDS,
         max_body=settings.STORE_API_MAX_BODY_BYTES,

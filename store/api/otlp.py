@@ -38,6 +38,7 @@ from store.api import limits
 from store.api.base import CANCELLED_HEADER, StoreView
 from store.api.errors import PayloadTooLarge, UnsupportedMediaType
 from store.api.serializers import check_span_sizes
+from store.models import Project
 
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
@@ -291,33 +292,41 @@ class OtlpTracesView(OtlpView):
         check_resource_copies(message, body_bytes)
 
     def handle(self, message: Message, kind: str) -> HttpResponse:
-        spans, rejected = spans_from_request(message)
-        if len(spans) > limits.MAX_SPANS_PER_REQUEST:
-            raise PayloadTooLarge(f"more than {limits.MAX_SPANS_PER_REQUEST} spans")
-        for span in spans:
-            check_span_sizes(span)
-        # A span naming an attempt this project does not have is rejected alone (an exporter
-        # drops a whole batch answered 404).
-        keys = {(s["rollout_id"], s["attempt_id"]) for s in spans}
-        known = selectors.attempt_keys_known(project=self.project, keys=keys)
-        unknown = [s for s in spans if (s["rollout_id"], s["attempt_id"]) not in known]
-        spans = [s for s in spans if (s["rollout_id"], s["attempt_id"]) in known]
-        # Spans without agentlightning.span_sequence_id get their attempt's next ids.
-        cancelled = (services.spans_ingest(project=self.project, spans=spans).cancelled
-                     if spans else set())
-        reply = ExportTraceServiceResponse()
-        if rejected or unknown:
-            reply.partial_success.rejected_spans = rejected + len(unknown)
-            reply.partial_success.error_message = "; ".join(
-                text for count, text in [
-                    (rejected, f"{rejected} spans lack {ROLLOUT_ID} or {ATTEMPT_ID}"),
-                    (len(unknown), f"{len(unknown)} spans name an unknown attempt"),
-                ] if count
-            )
+        reply, cancelled = export_spans(self.project, message)
         response = otlp_response(reply, kind)
         if cancelled:
             response[CANCELLED_HEADER] = ",".join(sorted(cancelled))
         return response
+
+
+def export_spans(project: Project, message: ExportTraceServiceRequest
+                 ) -> tuple[ExportTraceServiceResponse, set[str]]:
+    """Stores a parsed export's spans: the reply, and the ids of cancelled rollouts among
+    them. Also the ASGI front's lean path (store/api/fastpath.py)."""
+    spans, rejected = spans_from_request(message)
+    if len(spans) > limits.MAX_SPANS_PER_REQUEST:
+        raise PayloadTooLarge(f"more than {limits.MAX_SPANS_PER_REQUEST} spans")
+    for span in spans:
+        check_span_sizes(span)
+    # A span naming an attempt this project does not have is rejected alone (an exporter
+    # drops a whole batch answered 404).
+    keys = {(s["rollout_id"], s["attempt_id"]) for s in spans}
+    known = selectors.attempt_keys_known(project=project, keys=keys)
+    unknown = [s for s in spans if (s["rollout_id"], s["attempt_id"]) not in known]
+    spans = [s for s in spans if (s["rollout_id"], s["attempt_id"]) in known]
+    # Spans without agentlightning.span_sequence_id get their attempt's next ids.
+    cancelled = (services.spans_ingest(project=project, spans=spans).cancelled
+                 if spans else set())
+    reply = ExportTraceServiceResponse()
+    if rejected or unknown:
+        reply.partial_success.rejected_spans = rejected + len(unknown)
+        reply.partial_success.error_message = "; ".join(
+            text for count, text in [
+                (rejected, f"{rejected} spans lack {ROLLOUT_ID} or {ATTEMPT_ID}"),
+                (len(unknown), f"{len(unknown)} spans name an unknown attempt"),
+            ] if count
+        )
+    return reply, cancelled
 
 
 @extend_schema(request={PROTOBUF: OpenApiTypes.BINARY, JSON: OpenApiTypes.OBJECT},

@@ -14,7 +14,7 @@ import orjson
 from django.db import connection
 from django.db.models import JSONField, Model
 
-from store.models import Attempt, Rollout
+from store.models import ApiKey, Attempt, Project, Rollout
 
 
 @functools.cache
@@ -105,3 +105,30 @@ def rollouts_locked(project_id: int, rollout_ids: list[str]) -> dict[str, Rollou
         cursor.execute(sql, [rollout_ids, project_id])
         rows = cursor.fetchall()
     return {r.pk: r for r in (row_instance(Rollout, list(row)) for row in rows)}
+
+
+def attempt_keys_of_project(project_id: int, rollout_ids: list[str],
+                            attempt_ids: list[str]) -> set[tuple[str, str]]:
+    """Which of these (rollout id, attempt id) combinations exist in the project (unlocked)."""
+    sql = ("SELECT a.rollout_id, a.attempt_id FROM store_attempt a "
+           "JOIN store_rollout r ON r.id = a.rollout_id "
+           "WHERE a.rollout_id = ANY(%s) AND a.attempt_id = ANY(%s) AND r.project_id + 0 = %s")
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [rollout_ids, attempt_ids, project_id])
+        return {(r, a) for r, a in cursor.fetchall()}
+
+
+def api_key_live(prefix: str) -> ApiKey | None:
+    """The unrevoked key with this prefix, with its project (as select_related leaves it)."""
+    sql = (f"SELECT {_columns(ApiKey, 'k')}, {_columns(Project, 'p')} FROM store_apikey k "
+           "JOIN store_project p ON p.id = k.project_id "
+           "WHERE k.prefix = %s AND k.revoked_at IS NULL")
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [prefix])
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    width = len(ApiKey._meta.concrete_fields)
+    key = row_instance(ApiKey, list(row[:width]))
+    key._state.fields_cache["project"] = row_instance(Project, list(row[width:]))
+    return key
