@@ -311,12 +311,13 @@ def export_spans(project: Project, message: ExportTraceServiceRequest
     # A span naming an attempt this project does not have is rejected alone (an exporter
     # drops a whole batch answered 404).
     keys = {(s["rollout_id"], s["attempt_id"]) for s in spans}
-    known = selectors.attempt_keys_known(project=project, keys=keys)
-    unknown = [s for s in spans if (s["rollout_id"], s["attempt_id"]) not in known]
-    spans = [s for s in spans if (s["rollout_id"], s["attempt_id"]) in known]
-    # Spans without agentlightning.span_sequence_id get their attempt's next ids.
-    cancelled = (services.spans_ingest(project=project, spans=spans).cancelled
-                 if spans else set())
+    with services.span_transaction():  # one transaction, one (asynchronous) commit
+        known = selectors.attempt_keys_known(project=project, keys=keys)
+        unknown = [s for s in spans if (s["rollout_id"], s["attempt_id"]) not in known]
+        spans = [s for s in spans if (s["rollout_id"], s["attempt_id"]) in known]
+        # Spans without agentlightning.span_sequence_id get their attempt's next ids.
+        cancelled = (services.spans_ingest(project=project, spans=spans).cancelled
+                     if spans else set())
     reply = ExportTraceServiceResponse()
     if rejected or unknown:
         reply.partial_success.rejected_spans = rejected + len(unknown)

@@ -40,6 +40,7 @@ from store.services.spans import (
     SpansIngested,
     span_add,
     span_next_sequence_id,
+    span_transaction,
     spans_add,
     spans_ingest,
 )
@@ -76,6 +77,7 @@ __all__ = [
     "span_add",
     "span_next_sequence_id",
     "spans_ingest",
+    "span_transaction",
     "SpansIngested",
     "spans_add",
     "worker_update",

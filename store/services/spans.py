@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -78,11 +79,20 @@ def spans_ingest(
         raise InvalidInput(field, problem, loc=(f"spans[{index}]", *path)) from exc
 
 
-def _ingest(project: Project, spans: Sequence[dict[str, Any]], now: datetime) -> SpansIngested:
+@contextmanager
+def span_transaction() -> Iterator[None]:
+    """A transaction for work that only adds spans (and reads): it commits asynchronously
+    (`_commit_asynchronously`) when it is the outermost one. The OTLP export runs its check
+    of the spans' attempts and their insert in one."""
     outermost = not connection.in_atomic_block
     with transaction.atomic():
         if outermost:
             _commit_asynchronously()
+        yield
+
+
+def _ingest(project: Project, spans: Sequence[dict[str, Any]], now: datetime) -> SpansIngested:
+    with span_transaction():
         attempts = _attempts_for(project, spans)
         counted = _assign_sequence_ids(spans, attempts)
         rows = [_row(span, attempts[(span["rollout_id"], span["attempt_id"])]) for span in spans]
