@@ -27,7 +27,12 @@ CANCELLED_HEADER = "X-Cancelled-Rollouts"
 
 
 class JSONNullRenderer(JSONRenderer):
-    """JSON, with None as `null` (AGL answers `null` for "none"), not an empty body."""
+    """JSON, with None as `null` (AGL answers `null` for "none"), not an empty body.
+
+    ASCII only (non-ASCII characters escaped): a string a client sent that has no UTF-8 form (a lone
+    surrogate), echoed in an error message or a stored value, cannot break the answer."""
+
+    ensure_ascii = True
 
     def render(self, data: Any, accepted_media_type: str | None = None,
                renderer_context: dict | None = None) -> bytes:

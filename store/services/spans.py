@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -148,8 +149,9 @@ def _validate(span: Any, index: int) -> None:
             raise InvalidInput(f"spans[{index}].{name}", "must be an object")
     for name in ("start_time", "end_time"):
         value = span.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
-            raise InvalidInput(f"spans[{index}].{name}", "must be a number or null")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                                  or not math.isfinite(value)):
+            raise InvalidInput(f"spans[{index}].{name}", "must be a finite number or null")
 
 
 def _attempts_for(project: Project, spans: Sequence[dict]) -> dict[tuple[str, str], Attempt]:

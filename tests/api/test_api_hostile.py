@@ -59,6 +59,33 @@ def test_json_nested_5000_deep_is_400(algo):
     assert Rollout.objects.count() == 0
 
 
+@pytest.mark.parametrize("path,body,loc", [
+    ("/queues/rollouts/enqueue", '{"rollouts": [{"input": {"\\ud800": 1}}]}',
+     ["body", "rollouts", 0, "input", "\ud800"]),
+    ("/rollouts", '{"input": 1, "metadata": {"k": {"\\ud800": 1}}}',
+     ["body", "metadata", "k", "\ud800"]),
+    ("/rollouts/search", '{"status_in": ["\\ud800"]}', ["body", "status_in", 0]),
+])
+def test_a_lone_surrogate_echoed_in_the_answer_is_not_a_500(algo, path: str, body: str,
+                                                              loc: list):
+    """The answer echoed what the client sent (the key at fault, the invalid choice), and a
+    lone surrogate has no UTF-8 form: rendering it failed (an HTML 500). Answers are ASCII."""
+    response = _raw_json(algo, path, body)
+    assert response.status_code == 422, response.text
+    assert response.json()["detail"][0]["loc"] == loc
+    assert Rollout.objects.count() == 0
+
+
+def test_a_span_time_beyond_a_float_is_refused(algo, runner):
+    """`1e400` parses as infinity: stored, then unrenderable (500)."""
+    rid, aid = _rollout_with_attempt(algo, runner)
+    text = json.dumps(_spans(rid, aid, 1)[0])[:-1] + ', "start_time": 1e400}'
+    response = _raw_json(runner, "/spans", text)
+    assert response.status_code == 422, response.text
+    assert response.json()["detail"][0]["loc"][-1] == "start_time"
+    assert Span.objects.count() == 0
+
+
 @pytest.mark.parametrize("count", [3, 60])  # 60: the COPY path (50 spans or more)
 @pytest.mark.parametrize("bad", ["a\\u0000b", "\\ud800"])
 def test_spans_with_a_nul_or_a_lone_surrogate_are_refused_naming_the_field(
