@@ -341,3 +341,20 @@ def test_a_finished_rollouts_input_cannot_change(algo, runner):
     reopened = algo.post(f"/rollouts/{rid}", json={"status": "requeuing", "input": 3})
     assert reopened.status_code == 200, reopened.text
     assert reopened.json()["input"] == 3 and reopened.json()["status"] == "requeuing"
+
+
+@pytest.mark.parametrize("count", [3, 60])  # 60: the COPY path
+def test_an_otlp_export_with_a_nul_in_an_attribute_is_refused_naming_it(
+        api_server, keys: Keys, algo, runner, count: int):
+    """Protobuf strings are UTF-8 but may hold NUL, which Postgres refuses (a raw driver error
+    on the COPY path). The export is refused naming the span and attribute; nothing stored."""
+    rid, aid = _rollout_with_attempt(algo, runner)
+    ids = {"agentlightning.rollout_id": rid, "agentlightning.attempt_id": aid}
+    spans = [{} for _ in range(count - 1)] + [{"attributes": {"prompt": "a\x00b"}}]
+    body = export_request(spans, resource=ids).SerializeToString()
+    with _otlp(api_server, keys) as otlp:
+        response = otlp.post("/v1/traces", content=body)
+    assert response.status_code == 422, response.text
+    assert response.json()["detail"][0]["loc"] == ["body", f"spans[{count - 1}]", "attributes",
+                                                   "prompt"]
+    assert Span.objects.count() == 0
