@@ -155,7 +155,7 @@ def _sequence(raw: Any) -> int | None:
         value = int(str(raw))
     except (TypeError, ValueError):
         return None
-    return value if 0 <= value < 2**31 else None
+    return value if 0 <= value < 2**31 - 1 else None  # the next id must fit the column too
 
 
 def spans_from_request(request: ExportTraceServiceRequest) -> tuple[list[dict[str, Any]], int]:

@@ -104,7 +104,9 @@ CONFLICTS = frozenset({
     "update_attempt", "finish_attempt", "update_attempts_batch", "delete_resources",
 })
 # Operations without a path id that name ids in their body (404 when one is unknown).
-NOT_FOUND_IN_BODY = frozenset({"update_attempts_batch", "add_span", "add_spans_batch"})
+NOT_FOUND_IN_BODY = frozenset({
+    "update_attempts_batch", "add_span", "add_spans_batch", "get_next_span_sequence_id",
+})
 # Server-side waits, capped per key and per project (429).
 WAITS = frozenset({"wait_for_rollouts", "dequeue_rollouts"})
 # Operations whose answer may name cancelled rollouts in X-Cancelled-Rollouts.
@@ -125,6 +127,28 @@ NEVER_NOT_FOUND = frozenset({
 })
 # Path ids that an operation creates, so bounded as the store bounds them (422 past that).
 PATH_MAX_LENGTH = {("update_worker", "worker_id"): 200, ("update_resources", "resources_id"): 40}
+# Operations whose JSON body may be absent or `null` (taken as `{}`: StoreView.body).
+OPTIONAL_BODY = frozenset({
+    "dequeue_rollouts", "claim_rollout", "search_rollouts", "update_rollout", "start_attempt",
+    "search_attempts", "update_attempt", "search_workers", "update_worker",
+})
+RESOURCES_BODY = {
+    "type": "object",
+    "description": "`{name: resource}`; each resource an object tagged by `resource_type`.",
+    "additionalProperties": {
+        "type": "object",
+        "properties": {"resource_type": {"type": "string", "nullable": True}},
+    },
+}
+# Request bodies drf-spectacular cannot see (views that validate the body themselves).
+OTLP_JSON = {"description": "OTLP's JSON encoding (protobuf's JSON mapping; 400 if it is not)."}
+BODIES = {"add_resources": RESOURCES_BODY, "update_resources": RESOURCES_BODY,
+          "otlp_traces": OTLP_JSON, "otlp_metrics": OTLP_JSON, "otlp_logs": OTLP_JSON,
+          "otlp_profiles": {"description": "Anything: accepted and dropped."}}
+# Query parameters that views read themselves.
+QUERY = {"get_resources_by_id": {"version": {"type": "integer", "minimum": 1,
+                                             "maximum": 2**31 - 1}}}
+
 # Fields where an explicit `null` is AGL's 400 (views' `refuse_nulls`): not nullable here.
 NOT_NULL = {
     "UpdateRolloutInRequest": ("status", "config"),
@@ -173,6 +197,9 @@ def _statuses(view: type, method: str, operation: dict[str, Any]) -> dict[int, d
         out[404] = _error(404)
     if op_id in CONFLICTS:
         out[409] = _error(409)
+    if in_query:
+        # From gunicorn, before the app: a request line over 4094 bytes (no JSON body).
+        out[414] = {"description": "The URL (its query string) is too long."}
     if op_id in WAITS:
         out[429] = _error(429, headers=RETRY_AFTER)
     return out
@@ -200,6 +227,24 @@ def _exact_path_parameters(operation: dict[str, Any]) -> None:
         if longest:
             schema["maxLength"] = longest
         param["schema"] = schema
+
+
+def _exact_body_and_query(operation: dict[str, Any]) -> None:
+    op_id = operation.get("operationId", "")
+    body = operation.get("requestBody")
+    if body is not None:
+        if op_id in BODIES:
+            body["content"]["application/json"]["schema"] = BODIES[op_id]
+        if op_id in OPTIONAL_BODY:
+            body["required"] = False
+            media = body["content"]["application/json"]
+            media["schema"] = {"allOf": [media["schema"]], "nullable": True}
+        elif op_id.startswith("otlp_"):
+            body["required"] = True
+    for param in operation.get("parameters", []):
+        exact = QUERY.get(op_id, {}).get(param["name"])
+        if param["in"] == "query" and exact is not None:
+            param["schema"] = exact
 
 
 def _not_null(schemas: dict[str, Any]) -> None:
@@ -231,6 +276,7 @@ def declare_errors(result: dict[str, Any], generator: Any, request: Any,
             if view is None:
                 continue
             _exact_path_parameters(operation)
+            _exact_body_and_query(operation)
             responses = operation.setdefault("responses", {})
             for status, response in _statuses(view, method, operation).items():
                 responses.setdefault(str(status), response)

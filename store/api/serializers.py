@@ -8,6 +8,7 @@ import math
 from datetime import UTC, datetime
 from typing import Any
 
+from django.core.validators import validate_slug
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import exceptions, serializers
@@ -26,6 +27,7 @@ from store.statemachine import (
 ID_MAX = 40
 WORKER_ID_MAX = 200
 ERROR_MAX = 20_000  # the executor sends at most 8000 characters of traceback
+SEQUENCE_MAX = 2**31 - 1  # span sequence ids are below it (the next one fits an int column)
 
 
 def epoch(value: datetime | None) -> float | None:
@@ -39,10 +41,27 @@ def from_epoch(value: float | None) -> datetime | None:
 MAX_SECONDS = 3.2e9  # about a century: beyond it, a deadline would not fit a datetime
 
 
+class StrictCharField(serializers.CharField):
+    """A string, not a number made into one (AGL's pydantic refuses `0` for a string; the
+    schema says string)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("trim_whitespace", False)  # AGL keeps strings as sent
+        super().__init__(**kwargs)
+
+    def to_internal_value(self, data: Any) -> str:
+        if not isinstance(data, str):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
 class FiniteFloatField(serializers.FloatField):
-    """A float that is a real number (no NaN or infinity, which JSON parsers let through)."""
+    """A float that is a real number (no NaN or infinity, which JSON parsers let through,
+    and no `true`/`false`, which Python takes for 1 and 0)."""
 
     def to_internal_value(self, data: Any) -> float:
+        if isinstance(data, bool):
+            self.fail("invalid")
         value = super().to_internal_value(data)
         if math.isnan(value) or math.isinf(value):
             raise serializers.ValidationError("must be a finite number")
@@ -56,11 +75,17 @@ class SecondsField(FiniteFloatField):
         super().__init__(**kwargs)
 
 
+EPOCH_MIN, EPOCH_MAX = -62135596800.0, 253402300799.0  # 0001-01-01 to 9999-12-31 23:59:59
+
+
+@extend_schema_field({"type": "number", "minimum": EPOCH_MIN, "maximum": EPOCH_MAX})
 class EpochField(FiniteFloatField):
-    """Epoch seconds on the wire, an aware datetime inside."""
+    """Epoch seconds on the wire (years 1 to 9999), an aware datetime inside."""
 
     def to_internal_value(self, data: Any) -> datetime:
         value = super().to_internal_value(data)
+        if not EPOCH_MIN <= value <= EPOCH_MAX:
+            raise serializers.ValidationError("not a valid epoch time")
         try:
             return datetime.fromtimestamp(value, tz=UTC)
         except (OverflowError, OSError, ValueError):
@@ -119,7 +144,7 @@ class RolloutFieldsIn(serializers.Serializer):
 
     input = AnyJSONField()
     mode = serializers.ChoiceField(choices=RolloutMode.values, required=False, allow_null=True)
-    resources_id = serializers.CharField(
+    resources_id = StrictCharField(
         required=False, allow_null=True, allow_blank=True, max_length=ID_MAX
     )
     config = RolloutConfigIn(required=False, allow_null=True)
@@ -128,7 +153,7 @@ class RolloutFieldsIn(serializers.Serializer):
         required=False, default=0, min_value=-(2**31), max_value=2**31 - 1,
         help_text="Extension: higher is claimed first.",
     )
-    idempotency_key = serializers.CharField(
+    idempotency_key = StrictCharField(
         required=False, allow_null=True, max_length=200,
         help_text="Extension: a retried enqueue with the same key returns the same rollout.",
     )
@@ -143,7 +168,7 @@ class EnqueueManyIn(serializers.Serializer):
 
 
 class StartRolloutIn(RolloutFieldsIn):
-    worker_id = serializers.CharField(required=False, allow_null=True, max_length=WORKER_ID_MAX)
+    worker_id = StrictCharField(required=False, allow_null=True, max_length=WORKER_ID_MAX)
 
 
 class DequeueIn(serializers.Serializer):
@@ -151,7 +176,7 @@ class DequeueIn(serializers.Serializer):
     limit = serializers.IntegerField(
         required=False, default=1, min_value=-(2**31), max_value=limits.MAX_ROLLOUTS_PER_REQUEST
     )
-    worker_id = serializers.CharField(required=False, allow_null=True, max_length=WORKER_ID_MAX)
+    worker_id = StrictCharField(required=False, allow_null=True, max_length=WORKER_ID_MAX)
     wait_seconds = SecondsField(
         required=False, default=0.0, max_value=limits.MAX_DEQUEUE_WAIT_SECONDS,
         help_text="Extension: long-poll up to this long while the queue is empty.",
@@ -161,7 +186,7 @@ class DequeueIn(serializers.Serializer):
 class UpdateRolloutIn(serializers.Serializer):
     input = AnyJSONField(required=False)
     mode = serializers.ChoiceField(choices=RolloutMode.values, required=False, allow_null=True)
-    resources_id = serializers.CharField(required=False, allow_null=True, max_length=ID_MAX)
+    resources_id = StrictCharField(required=False, allow_null=True, max_length=ID_MAX)
     status = serializers.ChoiceField(
         choices=RolloutStatus.values, required=False, allow_null=True
     )
@@ -170,11 +195,11 @@ class UpdateRolloutIn(serializers.Serializer):
 
 
 class ClaimRolloutIn(serializers.Serializer):
-    worker_id = serializers.CharField(required=False, allow_null=True, max_length=WORKER_ID_MAX)
+    worker_id = StrictCharField(required=False, allow_null=True, max_length=WORKER_ID_MAX)
 
 
 class StartAttemptIn(serializers.Serializer):
-    worker_id = serializers.CharField(required=False, allow_null=True, max_length=WORKER_ID_MAX)
+    worker_id = StrictCharField(required=False, allow_null=True, max_length=WORKER_ID_MAX)
 
 
 class UpdateAttemptIn(serializers.Serializer):
@@ -182,7 +207,7 @@ class UpdateAttemptIn(serializers.Serializer):
         choices=AttemptStatus.values, required=False, allow_null=True
     )
     # "" clears the worker, as in AGL.
-    worker_id = serializers.CharField(
+    worker_id = StrictCharField(
         required=False, allow_null=True, allow_blank=True, max_length=WORKER_ID_MAX
     )
     last_heartbeat_time = EpochField(required=False, allow_null=True)
@@ -191,13 +216,13 @@ class UpdateAttemptIn(serializers.Serializer):
 
 class FinishAttemptIn(serializers.Serializer):
     status = serializers.ChoiceField(choices=sorted(ATTEMPT_FINAL))
-    error = serializers.CharField(required=False, allow_null=True, trim_whitespace=False,
+    error = StrictCharField(required=False, allow_null=True, trim_whitespace=False,
                                   max_length=ERROR_MAX)
 
 
 class AttemptUpdateItemIn(UpdateAttemptIn):
-    rollout_id = serializers.CharField(max_length=ID_MAX)
-    attempt_id = serializers.CharField(max_length=ID_MAX)
+    rollout_id = StrictCharField(max_length=ID_MAX)
+    attempt_id = StrictCharField(max_length=ID_MAX)
 
 
 class AttemptBatchIn(serializers.Serializer):
@@ -238,7 +263,7 @@ def sort_by_field(fields: Any, default: str | None = None) -> serializers.CharFi
 
     @extend_schema_field({"type": "string", "enum": list(fields), "nullable": True,
                           **({"default": default} if default else {})})
-    class SortByField(serializers.CharField):
+    class SortByField(StrictCharField):
         pass
 
     extra = {"default": default} if default else {}
@@ -262,10 +287,10 @@ class QueryRolloutsIn(_FilteredPageIn):
         allow_null=True,
     )
     rollout_id_in = serializers.ListField(
-        child=serializers.CharField(max_length=ID_MAX), required=False, allow_null=True,
+        child=StrictCharField(max_length=ID_MAX), required=False, allow_null=True,
         max_length=10000,
     )
-    rollout_id_contains = serializers.CharField(required=False, allow_null=True, max_length=ID_MAX)
+    rollout_id_contains = StrictCharField(required=False, allow_null=True, max_length=ID_MAX)
     sort_by = sort_by_field(selectors.ROLLOUT_FIELDS)
 
 
@@ -278,42 +303,42 @@ class QueryWorkersIn(_FilteredPageIn):
         child=serializers.ChoiceField(choices=WorkerStatus.values), required=False,
         allow_null=True,
     )
-    worker_id_contains = serializers.CharField(
+    worker_id_contains = StrictCharField(
         required=False, allow_null=True, max_length=WORKER_ID_MAX
     )
     sort_by = sort_by_field(selectors.WORKER_FIELDS)
 
 
 class QueryResourcesIn(_PageIn):
-    resources_id = serializers.CharField(required=False, allow_null=True, max_length=ID_MAX)
-    resources_id_contains = serializers.CharField(
+    resources_id = StrictCharField(required=False, allow_null=True, max_length=ID_MAX)
+    resources_id_contains = StrictCharField(
         required=False, allow_null=True, max_length=ID_MAX
     )
     sort_by = sort_by_field(selectors.RESOURCES_FIELDS)
 
 
 class QuerySpansIn(_FilteredPageIn):
-    rollout_id = serializers.CharField(max_length=ID_MAX)
-    attempt_id = serializers.CharField(required=False, allow_null=True, max_length=ID_MAX)
+    rollout_id = StrictCharField(max_length=ID_MAX)
+    attempt_id = StrictCharField(required=False, allow_null=True, max_length=ID_MAX)
     sort_by = sort_by_field(selectors.SPAN_FIELDS, default="sequence_id")
-    trace_id = serializers.CharField(required=False, allow_null=True, max_length=64)
-    trace_id_contains = serializers.CharField(required=False, allow_null=True, max_length=64)
-    span_id = serializers.CharField(required=False, allow_null=True, max_length=32)
-    span_id_contains = serializers.CharField(required=False, allow_null=True, max_length=32)
-    parent_id = serializers.CharField(required=False, allow_null=True, max_length=32)
-    parent_id_contains = serializers.CharField(required=False, allow_null=True, max_length=32)
-    name = serializers.CharField(required=False, allow_null=True, max_length=500)
-    name_contains = serializers.CharField(required=False, allow_null=True, max_length=500)
+    trace_id = StrictCharField(required=False, allow_null=True, max_length=64)
+    trace_id_contains = StrictCharField(required=False, allow_null=True, max_length=64)
+    span_id = StrictCharField(required=False, allow_null=True, max_length=32)
+    span_id_contains = StrictCharField(required=False, allow_null=True, max_length=32)
+    parent_id = StrictCharField(required=False, allow_null=True, max_length=32)
+    parent_id_contains = StrictCharField(required=False, allow_null=True, max_length=32)
+    name = StrictCharField(required=False, allow_null=True, max_length=500)
+    name_contains = StrictCharField(required=False, allow_null=True, max_length=500)
 
 
 class NextSequenceIdIn(serializers.Serializer):
-    rollout_id = serializers.CharField(max_length=ID_MAX)
-    attempt_id = serializers.CharField(max_length=ID_MAX)
+    rollout_id = StrictCharField(max_length=ID_MAX)
+    attempt_id = StrictCharField(max_length=ID_MAX)
 
 
 class WaitForRolloutsIn(serializers.Serializer):
     rollout_ids = serializers.ListField(
-        child=serializers.CharField(max_length=ID_MAX), max_length=10000
+        child=StrictCharField(max_length=ID_MAX), max_length=10000
     )
     timeout = SecondsField(
         required=False, allow_null=True,
@@ -354,7 +379,8 @@ class SpanField(serializers.Field):
             if isinstance(value, str) and len(value) > size:
                 raise serializers.ValidationError({name: f"at most {size} characters"})
         seq = data.get("sequence_id")
-        if isinstance(seq, int) and not -(2**31) <= seq < 2**31:
+        # The attempt's next id (seq + 1) must fit the column too.
+        if isinstance(seq, int) and not -(2**31) <= seq < SEQUENCE_MAX:
             raise serializers.ValidationError({"sequence_id": "out of range"})
         return data
 
@@ -379,24 +405,32 @@ def check_span_sizes(span: dict[str, Any]) -> None:
 
 
 class SpanIn(serializers.Serializer):
-    """AGL's Span-Input, for the schema; validation is `SpanField`'s."""
+    """AGL's Span-Input, as our store checks it (`SpanField`, services.spans); other fields
+    are kept as they come."""
 
-    rollout_id = serializers.CharField()
-    attempt_id = serializers.CharField()
-    sequence_id = serializers.IntegerField()
-    trace_id = serializers.CharField()
-    span_id = serializers.CharField()
-    parent_id = serializers.CharField(allow_null=True, required=False)
-    name = serializers.CharField()
-    status = ObjectField(required=False)
-    attributes = ObjectField(required=False)
-    events = serializers.ListField(child=ObjectField(), required=False)
-    links = serializers.ListField(child=ObjectField(), required=False)
-    start_time = serializers.FloatField(allow_null=True, required=False)
-    end_time = serializers.FloatField(allow_null=True, required=False)
-    context = ObjectField(allow_null=True, required=False)
-    parent = ObjectField(allow_null=True, required=False)
-    resource = ObjectField(required=False)
+    rollout_id = StrictCharField(max_length=ID_MAX)
+    attempt_id = StrictCharField(max_length=ID_MAX)
+    sequence_id = serializers.IntegerField(
+        required=False, allow_null=True, min_value=-(2**31), max_value=SEQUENCE_MAX - 1,
+        help_text="null or absent: the attempt's next one.",
+    )
+    trace_id = StrictCharField(max_length=64)
+    span_id = StrictCharField(max_length=32)
+    parent_id = StrictCharField(allow_null=True, required=False, max_length=32)
+    name = StrictCharField(max_length=500)
+    status = AnyJSONField(required=False)
+    attributes = ObjectField(required=False, allow_null=True)
+    events = AnyJSONField(required=False)
+    links = AnyJSONField(required=False)
+    start_time = FiniteFloatField(allow_null=True, required=False)
+    end_time = FiniteFloatField(allow_null=True, required=False)
+    context = AnyJSONField(required=False)
+    parent = AnyJSONField(required=False)
+    resource = ObjectField(required=False, allow_null=True)
+
+
+# A batch's spans are checked as one span is.
+extend_schema_field(SpanIn)(SpanField)
 
 
 class SpanBatchIn(serializers.Serializer):
@@ -406,8 +440,8 @@ class SpanBatchIn(serializers.Serializer):
 
 
 class ProjectIn(serializers.Serializer):
-    name = serializers.SlugField(max_length=100)
-    description = serializers.CharField(required=False, allow_blank=True, default="")
+    name = StrictCharField(max_length=100, validators=[validate_slug])
+    description = StrictCharField(required=False, allow_blank=True, default="")
 
 
 # --- outputs ---------------------------------------------------------------------------------

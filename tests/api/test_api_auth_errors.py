@@ -172,6 +172,14 @@ def test_query_parameter_errors_name_the_query_and_the_parameter(algo, path: str
     assert [item["loc"] for item in response.json()["detail"]] == [field]
 
 
+def test_a_span_sequence_id_whose_successor_overflows_is_422_not_400(algo):
+    span = {"rollout_id": "ro-1", "attempt_id": "at-1", "sequence_id": 2**31 - 1,
+            "trace_id": "t", "span_id": "s", "name": "n"}
+    response = algo.post("/spans", json=span)
+    assert response.status_code == 422, response.text
+    assert response.json()["detail"][0]["loc"] == ["body", "sequence_id"]
+
+
 def test_path_parameter_errors_say_path(algo):
     response = algo.post("/workers/" + "w" * 201, json={})
     assert response.status_code == 422
