@@ -83,15 +83,17 @@ CANCELLED = {"X-Cancelled-Rollouts": {
 WWW_AUTHENTICATE = {"WWW-Authenticate": {"schema": {"type": "string"}}}
 
 DESCRIPTIONS = {
-    400: "Malformed JSON or OTLP, an explicit null where AGL refuses one, an unknown `sort_by`, "
-         "a bad `limit`/`offset`, a span over its size limits, or a value the database "
-         "refuses (a NUL character).",
+    400: "A request line too long for the front server (uvicorn's text answer), malformed "
+         "JSON or OTLP, an explicit null where AGL refuses one, an unknown `sort_by`, a bad "
+         "`limit`/`offset`, a span over its size limits, or a value the database refuses.",
     401: "No key, or a wrong or revoked key.",
     403: "This key's role may not do this.",
     404: "No such id in this key's project.",
     409: "Not allowed in the object's current state (a finished attempt given another verdict, "
          "resources in use).",
+    408: "The body did not arrive in time (the ASGI front, WEB_BODY_TIMEOUT_SECONDS).",
     411: "A chunked body (no Content-Length) where the server in front does not end it.",
+    414: "The request line is too long (gunicorn, before the app; uvicorn answers 400).",
     413: "The request body (or its spans) is over the size limits.",
     415: "Unsupported Content-Type.",
     422: "Invalid input: the field at fault is named in `loc`.",
@@ -177,14 +179,20 @@ def _statuses(view: type, method: str, operation: dict[str, Any]) -> dict[int, d
     in_query = any(p["in"] == "query" for p in params)
     has_body = "requestBody" in operation
     keyed = bool(view.authentication_classes)
-    # A chunked body is refused (411) where the server does not end it (base.py).
-    out: dict[int, dict[str, Any]] = {411: _error(411), 413: _error(413)}
+    # Any request: a request line over the front server's limit (uvicorn: 400 in text;
+    # gunicorn: 414), a body not received in time (408, the ASGI front), a chunked body where
+    # the server does not end it (411, Django under a WSGI server, base.py), too large (413).
+    bad_request = _error(400)
+    bad_request["content"]["text/plain"] = {"schema": {"type": "string"}}
+    out: dict[int, dict[str, Any]] = {
+        400: bad_request, 408: _error(408), 411: _error(411), 413: _error(413),
+        414: {"description": DESCRIPTIONS[414],
+              "content": {"text/html": {"schema": {"type": "string"}}}},
+    }
     if has_body:
-        out[400] = _error(400)
         out[415] = _error(415)
         out[422] = _error(422, VALIDATION_ERROR)
     if in_query:
-        out[400] = _error(400)
         out[422] = _error(422, VALIDATION_ERROR)
     if (op_id, "worker_id") in PATH_MAX_LENGTH or (op_id, "resources_id") in PATH_MAX_LENGTH:
         out[422] = _error(422, VALIDATION_ERROR)
@@ -197,9 +205,6 @@ def _statuses(view: type, method: str, operation: dict[str, Any]) -> dict[int, d
         out[404] = _error(404)
     if op_id in CONFLICTS:
         out[409] = _error(409)
-    if in_query:
-        # From gunicorn, before the app: a request line over 4094 bytes (no JSON body).
-        out[414] = {"description": "The URL (its query string) is too long."}
     if op_id in WAITS:
         out[429] = _error(429, headers=RETRY_AFTER)
     return out
