@@ -90,7 +90,7 @@ DESCRIPTIONS = {
     403: "This key's role may not do this.",
     404: "No such id in this key's project.",
     409: "Not allowed in the object's current state (a finished attempt given another verdict, "
-         "resources in use).",
+         "a finished rollout's input changed, resources in use).",
     408: "The body did not arrive in time (the ASGI front, WEB_BODY_TIMEOUT_SECONDS).",
     411: "A chunked body (no Content-Length) where the server in front does not end it.",
     414: "The request line is too long (gunicorn, before the app; uvicorn answers 400).",
@@ -103,7 +103,8 @@ DESCRIPTIONS = {
 
 # Operations (by operationId) whose store call can refuse a state change (409).
 CONFLICTS = frozenset({
-    "update_attempt", "finish_attempt", "update_attempts_batch", "delete_resources",
+    "update_rollout", "update_attempt", "finish_attempt", "update_attempts_batch",
+    "delete_resources",
 })
 # Operations without a path id that name ids in their body (404 when one is unknown).
 NOT_FOUND_IN_BODY = frozenset({

@@ -56,7 +56,7 @@ def test_schema_tells_the_truth(api_server):
     assert "403" not in ops["dequeue_rollouts"][2]["responses"]
     for op_id in ("get_rollout_by_id", "get_attempt", "update_attempt", "delete_resources"):
         assert "404" in ops[op_id][2]["responses"], op_id
-    for op_id in ("update_attempt", "finish_attempt", "delete_resources"):
+    for op_id in ("update_rollout", "update_attempt", "finish_attempt", "delete_resources"):
         assert "409" in ops[op_id][2]["responses"], op_id
     for op_id in ("wait_for_rollouts", "dequeue_rollouts"):
         assert ops[op_id][2]["responses"]["429"]["headers"]["Retry-After"]["required"]
@@ -73,6 +73,36 @@ def test_schema_tells_the_truth(api_server):
     assert "nullable" not in update["status"]  # an explicit null is AGL's 400
     errors = schema["components"]["schemas"]
     assert errors["ValidationError"]["properties"]["detail"]["type"] == "array"
+
+
+def test_answers_that_fuzzing_rarely_reaches_are_declared(api_server, algo, runner):
+    """State-dependent answers, produced on purpose: each status must be among its
+    operation's declared responses."""
+    schema = httpx.get(api_server.url + "/api/schema/?format=json").json()
+    declared = {op["operationId"]: set(op["responses"]) for _p, _m, op in _operations(schema)}
+    rollout = algo.post("/rollouts", json={"input": 1}).json()
+    rid, aid = rollout["rollout_id"], rollout["attempt"]["attempt_id"]
+    seen = {
+        "update_rollout": [algo.post(f"/rollouts/{rid}", json={"status": "cancelled"}),
+                           algo.post(f"/rollouts/{rid}", json={"input": 2})],
+        "finish_attempt": [runner.post(f"/rollouts/{rid}/attempts/{aid}/finish",
+                                       json={"status": "succeeded"}),
+                           runner.post(f"/rollouts/{rid}/attempts/{aid}/finish",
+                                       json={"status": "failed"})],
+        "enqueue_rollouts": [runner.post("/queues/rollouts/enqueue",
+                                         json={"rollouts": [{"input": 1}]})],
+        "get_worker": [runner.get("/workers/never-seen")],
+        "get_rollout_by_id": [runner.get("/rollouts/ro-000000000000")],
+        "add_span": [runner.post("/spans", json={
+            "rollout_id": rid, "attempt_id": "at-none", "trace_id": "t", "span_id": "s",
+            "name": "n"})],
+    }
+    statuses = {op: [r.status_code for r in answers] for op, answers in seen.items()}
+    assert statuses["update_rollout"][1] == 409 and statuses["finish_attempt"][1] == 409
+    assert statuses["enqueue_rollouts"] == [403] and statuses["get_worker"] == [200]
+    for op, codes in statuses.items():
+        for code in codes:
+            assert str(code) in declared[op], (op, code, sorted(declared[op]))
 
 
 def test_docs_page_serves_its_assets_locally(api_server):
