@@ -195,7 +195,9 @@ def test_slow_uploads_pin_no_thread_and_time_out_with_408(small_server, transact
             assert algo.get("/statistics").status_code == 200
         for sock in slow:
             sock.settimeout(30)
-            answer = sock.recv(4096)
+            answer = b""
+            while chunk := sock.recv(4096):  # the server closes the connection after it
+                answer += chunk
             assert answer.startswith(b"HTTP/1.1 408 "), answer
             assert b'{"detail": "request body not received in time"}' in answer
     finally:
