@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -85,11 +86,22 @@ def span_transaction() -> Iterator[None]:
     """A transaction for work that only adds spans (and reads): it commits asynchronously
     (`_commit_asynchronously`) when it is the outermost one. The OTLP export runs its check
     of the spans' attempts and their insert in one."""
-    outermost = not connection.in_atomic_block
+    if connection.in_atomic_block:
+        # Nested in a span transaction: no savepoint (two round trips); an error ends the
+        # whole transaction, the outer one's to roll back. In another caller's: a savepoint.
+        with transaction.atomic(savepoint=not getattr(_span_transaction, "open", False)):
+            yield
+        return
     with transaction.atomic():
-        if outermost:
-            _commit_asynchronously()
-        yield
+        _commit_asynchronously()
+        _span_transaction.open = True
+        try:
+            yield
+        finally:
+            _span_transaction.open = False
+
+
+_span_transaction = threading.local()
 
 
 def _ingest(project: Project, spans: Sequence[dict[str, Any]], now: datetime) -> SpansIngested:
