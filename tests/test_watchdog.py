@@ -118,3 +118,32 @@ def test_sweep_notifies_finished_rollouts(project, django_capture_on_commit_call
         assert [r.pk for r in seen] == [rollout.pk]
     finally:
         hooks.remove_rollouts_finished(seen.extend)
+
+
+def test_sweep_on_call_reads_once_when_nothing_is_due_and_sweeps_when_something_is(
+        project, django_assert_num_queries):
+    enqueue(project, 2, config={"timeout_seconds": 30})
+    rollout, attempt = claim(project, "w1")
+    watchdog._last_call_sweep.pop(project.pk, None)
+    with django_assert_num_queries(1):  # the probe, no transaction
+        assert watchdog.sweep_on_call(project.pk) is None
+    assert watchdog.sweep_on_call(project.pk) is None  # throttled: no query at all
+    backdate(attempt, 31)
+    Rollout.objects.filter(pk__in=Rollout.objects.filter(project=project, status="queuing")
+                           .values("pk")).update(queue_deadline=timezone.now()
+                                                 - timedelta(seconds=1))
+    watchdog._last_call_sweep.pop(project.pk, None)
+    result = watchdog.sweep_on_call(project.pk)
+    assert result.timed_out == [f"{rollout.pk}/{attempt.attempt_id}"]
+    assert len(result.queue_expired) == 1
+
+
+def test_sweep_on_call_sees_only_its_own_project(project):
+    other = services.project_create(name="other-project")
+    enqueue(other, 1, config={"timeout_seconds": 30})
+    _, attempt = claim(other, "w1")
+    backdate(attempt, 31)
+    watchdog._last_call_sweep.pop(project.pk, None)
+    assert watchdog.sweep_on_call(project.pk) is None
+    attempt.refresh_from_db()
+    assert attempt.status == "preparing"
