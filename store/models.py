@@ -210,19 +210,19 @@ class RolloutGroup(models.Model):
 
 class GroupCompletion(models.Model):
     """A group's members all became terminal: an event for the group's owner, consumed once
-    by compare-and-swap on `processed_at` (healthchecks' Flip rows), so a reaction that a
-    process missed (it died after the commit) is made by the next consumer."""
+    by deleting it (a compare-and-swap: of two takers, one deletes the row, the other finds
+    it gone) in the transaction that reacts to it, so a reaction that fails or a process
+    that dies before its commit leaves the event to the next consumer. Nothing reads an event
+    after its reaction (the group keeps `completed_at`), so consumed events leave no rows."""
 
     group = models.ForeignKey(RolloutGroup, on_delete=models.CASCADE, related_name="completions")
     owner = models.CharField(max_length=40)
     created_at = models.DateTimeField()
-    processed_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         indexes = [
-            # consumers: an owner's unprocessed events, oldest first
-            models.Index(fields=["owner", "created_at"], name="groupcompletion_pending",
-                         condition=Q(processed_at__isnull=True)),
+            # consumers: an owner's events, oldest first
+            models.Index(fields=["owner", "created_at"], name="groupcompletion_owner"),
         ]
 
     def __str__(self) -> str:

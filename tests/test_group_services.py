@@ -1,6 +1,6 @@
 """Rollout groups: the store keeps a batch's total and finished counts in the transactions that
 enqueue and finish its rollouts, on every writer's path, and writes one completion event per
-completion, taken once by compare-and-swap."""
+completion, taken once by compare-and-swap (deleted: consumed events leave no rows)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 
 from store import hooks, services, watchdog
 from store.models import GroupCompletion, RolloutGroup
@@ -80,6 +80,22 @@ def test_a_completion_is_taken_once_and_only_by_its_owner(project):
     taken = services.group_completions_take(owner="test")
     assert [e.group_id for e in taken] == [group.pk]
     assert services.group_completions_take(owner="test") == []
+
+
+def test_taken_completions_leave_no_rows_and_a_failed_reaction_leaves_them_taken_by_none(
+        project):
+    """Consumed events are deleted (nothing reads them afterwards): the table holds only the
+    pending ones. A reaction that fails rolls its take back: the event waits for the next."""
+    group, rollouts = _group(project, n=1)
+    services.rollout_update(project=project, rollout_id=rollouts[0].pk, status="succeeded")
+    with pytest.raises(RuntimeError), transaction.atomic():
+        assert len(services.group_completions_take(owner="test")) == 1
+        raise RuntimeError("the reaction failed")
+    assert GroupCompletion.objects.filter(group=group).count() == 1
+    with transaction.atomic():
+        assert [e.group_id for e in services.group_completions_take(owner="test")] == [group.pk]
+    assert not GroupCompletion.objects.exists()
+    assert RolloutGroup.objects.get(pk=group.pk).completed_at is not None  # the group keeps it
 
 
 def test_the_owner_is_nudged_after_commit(project, django_capture_on_commit_callbacks):

@@ -49,11 +49,12 @@ def test_a_completion_whose_nudge_was_lost_is_taken_by_the_sweep(monkeypatch):
     run_rollouts(job)
     step = job.steps.get()
     assert step.status == StepStatus.ROLLING and sent.train_steps == []
-    assert GroupCompletion.objects.filter(group=step.group, processed_at=None).count() == 1
+    assert GroupCompletion.objects.filter(group=step.group).count() == 1
     assert reactions.groups_completed() == 1
     step.refresh_from_db()
     assert step.status == StepStatus.READY and sent.train_steps == [step.pk]
     assert reactions.groups_completed() == 0  # taken once
+    assert not GroupCompletion.objects.exists()  # and gone: consumed events leave no rows
 
 
 def test_the_finishing_process_reacts_at_once(monkeypatch):
@@ -62,7 +63,7 @@ def test_the_finishing_process_reacts_at_once(monkeypatch):
     run_rollouts(job)
     step = job.steps.get()
     assert step.status == StepStatus.READY and sent.train_steps == [step.pk]
-    assert not GroupCompletion.objects.filter(processed_at=None).exists()
+    assert not GroupCompletion.objects.exists()
 
 
 def test_a_progress_poll_reads_counters_not_rollouts(monkeypatch):

@@ -4,8 +4,9 @@
 writer that makes rollouts terminal calls `rollouts_terminal` inside its transaction
 (finished), and one that reopens a terminal rollout calls it with -1. Reaching
 finished == total writes a `GroupCompletion` row in the same transaction; its owner takes it
-with `group_completions_take` (compare-and-swap, so each event is acted on once, by whichever
-process gets there first). Lock order: after attempts and rollouts, groups in id order.
+with `group_completions_take` (deleting it: a compare-and-swap, so each event is acted on
+once, by whichever process gets there first, and consumed events leave no rows).
+Lock order: after attempts and rollouts, groups in id order.
 """
 
 from __future__ import annotations
@@ -99,16 +100,16 @@ def _count_orm(counts: Counter, delta: int, now: datetime) -> list[tuple[int, st
     return completed
 
 
-def group_completions_take(*, owner: str, limit: int = 100,
-                           now: datetime | None = None) -> list[GroupCompletion]:
-    """Take the owner's unprocessed completions, oldest first: each one is marked processed
-    by compare-and-swap, and only the ones this call won are returned (with their group)."""
-    now = now or timezone.now()
-    pending = list(GroupCompletion.objects.filter(owner=owner, processed_at__isnull=True)
+def group_completions_take(*, owner: str, limit: int = 100) -> list[GroupCompletion]:
+    """Take the owner's completions, oldest first: each one is deleted (a compare-and-swap:
+    a concurrent taker waits for the row, then finds it gone), and only the ones this call
+    deleted are returned (with their group). Call it inside the transaction that reacts to
+    them: a reaction that fails rolls the deletion back and leaves the events for the next
+    taker."""
+    pending = list(GroupCompletion.objects.filter(owner=owner)
                    .select_related("group").order_by("created_at", "pk")[:limit])
     return [event for event in pending
-            if GroupCompletion.objects.filter(pk=event.pk, processed_at__isnull=True)
-            .update(processed_at=now)]
+            if GroupCompletion.objects.filter(pk=event.pk).delete()[0]]
 
 
 def rollouts_finished(rollouts: Iterable[Rollout], now: datetime | None = None) -> None:
