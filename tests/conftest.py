@@ -76,3 +76,25 @@ def backdate(attempt: Attempt, seconds: float) -> None:
 
 def now():
     return timezone.now()
+
+
+@pytest.fixture
+def staff(client):
+    """The test client, logged in as a superuser (the admin, job pages, console)."""
+    from django.contrib.auth.models import User
+
+    client.force_login(User.objects.create_superuser("ops", "ops@example.com", "pw"))
+    return client
+
+
+@pytest.fixture
+def live_site(request):
+    """The app served on the test module's SERVER_ADDR (for a real browser); its URL."""
+    from pytest_django.live_server_helper import LiveServer
+
+    addr = request.module.SERVER_ADDR
+    server = LiveServer(addr)
+    try:
+        yield f"http://{addr}"
+    finally:
+        server.stop()

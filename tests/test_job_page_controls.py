@@ -6,8 +6,6 @@ from __future__ import annotations
 import time
 
 import pytest
-from django.contrib.auth.models import User
-from pytest_django.live_server_helper import LiveServer
 
 from examples.cipher import job_spec
 from store import services as store_services
@@ -30,12 +28,6 @@ def running_job(monkeypatch) -> TrainingJob:
         algorithm="grpo", config=spec["config"], train_dataset=spec["train_dataset"],
         val_dataset=spec["val_dataset"][:4], name="cipher")
     return services.job_start(job_id=job.pk)
-
-
-@pytest.fixture
-def staff(client):
-    client.force_login(User.objects.create_superuser("ops", "ops@example.com", "pw"))
-    return client
 
 
 def test_a_running_job_page_reloads_itself_and_offers_cancel(staff, running_job):
@@ -61,15 +53,6 @@ def test_the_buttons_need_a_staff_login(client, running_job):
     assert client.post(f"/jobs/{running_job.pk}/cancel/").status_code == 302  # to the login
     running_job.refresh_from_db()
     assert running_job.status == "running"
-
-
-@pytest.fixture
-def live_site():
-    server = LiveServer(SERVER_ADDR)
-    try:
-        yield f"http://{SERVER_ADDR}"
-    finally:
-        server.stop()
 
 
 def test_the_cancel_button_works_in_chromium(staff, running_job, live_site, tmp_path):

@@ -8,8 +8,6 @@ import re
 from datetime import timedelta
 
 import pytest
-from django.contrib.auth.models import User
-from pytest_django.live_server_helper import LiveServer
 
 from store import services
 from store.models import Rollout
@@ -21,12 +19,6 @@ from tests.test_span_services import span
 pytestmark = pytest.mark.django_db(transaction=True)
 SERVER_ADDR, DRIVER_PORT = "127.0.0.1:18431", 18432
 TRACEBACK = 'Traceback (most recent call last):\n  File "agent.py", line 3\nValueError: bad <move>'
-
-
-@pytest.fixture
-def staff(client):
-    client.force_login(User.objects.create_superuser("ops", "ops@example.com", "pw"))
-    return client
 
 
 @pytest.fixture
@@ -135,15 +127,6 @@ def test_a_span_cycle_or_a_missing_parent_still_lists_every_span_once(console):
     by_id["r1"].parent_id = "gone"
     rows = span_tree(spans)
     assert sorted(r.span.span_id for r in rows) == sorted(by_id)
-
-
-@pytest.fixture
-def live_site():
-    server = LiveServer(SERVER_ADDR)
-    try:
-        yield f"http://{SERVER_ADDR}"
-    finally:
-        server.stop()
 
 
 def test_the_console_pages_render_in_chromium(staff, console, live_site, tmp_path):

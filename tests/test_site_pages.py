@@ -4,8 +4,6 @@ styled in a real headless Chromium."""
 from __future__ import annotations
 
 import pytest
-from django.contrib.auth.models import User
-from pytest_django.live_server_helper import LiveServer
 
 from store import services
 from tests.browser import chromium
@@ -13,12 +11,6 @@ from tests.conftest import enqueue
 
 pytestmark = pytest.mark.django_db(transaction=True)
 SERVER_ADDR, DRIVER_PORT = "127.0.0.1:18401", 18402
-
-
-@pytest.fixture
-def staff(client):
-    client.force_login(User.objects.create_superuser("ops", "ops@example.com", "pw"))
-    return client
 
 
 def test_the_landing_page_links_everywhere_and_counts_for_staff(staff, settings):
@@ -43,15 +35,6 @@ def test_static_files_are_served_with_debug_off(client, settings):
     css = client.get("/static/admin/css/base.css")
     assert css.status_code == 200 and css["Content-Type"].startswith("text/css")
     assert b"".join(css.streaming_content).startswith(b"/*")
-
-
-@pytest.fixture
-def live_site():
-    server = LiveServer(SERVER_ADDR)
-    try:
-        yield f"http://{SERVER_ADDR}"
-    finally:
-        server.stop()
 
 
 def test_the_admin_renders_styled_in_chromium(staff, live_site, tmp_path, settings):

@@ -12,7 +12,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from django.contrib.auth.models import User
 from pytest_django.live_server_helper import LiveServer
 
 from examples.cipher import job_spec
@@ -46,16 +45,10 @@ def trained_job(monkeypatch, settings, tmp_path) -> TrainingJob:
     return drive(services.job_start(job_id=job.pk), sent)
 
 
-@pytest.fixture
-def staff_client(client):
-    client.force_login(User.objects.create_superuser("ops", "ops@example.com", "pw"))
-    return client
-
-
-def test_job_pages_show_plots_steps_checkpoints_and_admin_links(staff_client, trained_job):
-    listing = staff_client.get("/jobs/")
+def test_job_pages_show_plots_steps_checkpoints_and_admin_links(staff, trained_job):
+    listing = staff.get("/jobs/")
     assert listing.status_code == 200 and f"/jobs/{trained_job.pk}/" in listing.text
-    page = staff_client.get(f"/jobs/{trained_job.pk}/")
+    page = staff.get(f"/jobs/{trained_job.pk}/")
     assert page.status_code == 200
     html = page.text
     assert html.count('<svg class="chart"') == 3
@@ -65,13 +58,13 @@ def test_job_pages_show_plots_steps_checkpoints_and_admin_links(staff_client, tr
     assert "Checkpoint history" in html and "(best)" in html
     assert "no live worker serves queue &#x27;training&#x27;" in html  # the worker registry
     assert "<script" not in html and "http://" not in html.replace("http://www.w3.org", "")
-    admin = staff_client.get(f"/admin/store/rollout/?group__id__exact={first.group_id}")
+    admin = staff.get(f"/admin/store/rollout/?group__id__exact={first.group_id}")
     assert admin.status_code == 200
     assert f"{first.rollout_count + first.val_rollout_count} rollouts" in admin.text
-    groups = staff_client.get("/admin/store/rolloutgroup/")
+    groups = staff.get("/admin/store/rolloutgroup/")
     assert groups.status_code == 200 and f"trainer/step/{first.pk}/r0" in groups.text
-    assert staff_client.get("/admin/trainer/trainingjob/").status_code == 200
-    assert staff_client.get("/admin/trainer/trainingstep/").status_code == 200
+    assert staff.get("/admin/trainer/trainingjob/").status_code == 200
+    assert staff.get("/admin/trainer/trainingstep/").status_code == 200
 
 
 def test_job_pages_need_a_staff_login(client, trained_job):
@@ -118,7 +111,7 @@ def live_site():
         server.stop()
 
 
-def test_the_job_page_loads_in_headless_chromium(staff_client, trained_job, chromedriver,
+def test_the_job_page_loads_in_headless_chromium(staff, trained_job, chromedriver,
                                                  live_site, tmp_path):
     caps = {"capabilities": {"alwaysMatch": {"browserName": "chrome", "goog:chromeOptions": {
         "binary": shutil.which("chromium"),
@@ -128,7 +121,7 @@ def test_the_job_page_loads_in_headless_chromium(staff_client, trained_job, chro
     try:
         _webdriver("POST", f"{base}/url", {"url": f"{live_site}/jobs/"})  # cookie domain
         _webdriver("POST", f"{base}/cookie", {"cookie": {
-            "name": "sessionid", "value": staff_client.cookies["sessionid"].value, "path": "/"}})
+            "name": "sessionid", "value": staff.cookies["sessionid"].value, "path": "/"}})
         _webdriver("POST", f"{base}/url", {"url": f"{live_site}/jobs/{trained_job.pk}/"})
         title = _webdriver("GET", f"{base}/title")["value"]
         charts = _webdriver("POST", f"{base}/execute/sync", {
