@@ -16,7 +16,7 @@ in one batch) in rollouts/s, and span ingest of ~1 KB spans over HTTP (batches o
 spans/s.
 
 Uses (and empties) its own database, whose name must contain "bench". Servers listen on
-127.0.0.1 ports 18090-18099.
+127.0.0.1 ports BENCH_PORT_BASE (default 18090) and BENCH_PORT_BASE + 1.
 """
 
 from __future__ import annotations
@@ -54,7 +54,9 @@ from bench.serverstats import CpuMeter, commits, percentiles, wait_backends_gone
 from runners.client import StoreClient  # noqa: E402
 from store import services  # noqa: E402
 
-OURS_PORT, AGL_PORT = 18090, 18091
+# Ours on BENCH_PORT_BASE, AGL on the next port (several benchmarks may share a machine).
+PORT_BASE = int(os.environ.get("BENCH_PORT_BASE", "18090"))
+OURS_PORT, AGL_PORT = PORT_BASE, PORT_BASE + 1
 RUNNERS = 16
 TABLES = STORE_TABLES
 
