@@ -21,8 +21,9 @@ What it adds over running Django under gunicorn's threads:
   read, not taken for empty.
 
 - A lean path for OTLP protobuf exports (store/api/fastpath.py), the bulk of a runner's
-  requests: the common well-formed case without Django's middleware and DRF, the same answer;
-  anything else falls through to Django.
+  requests, and for a runner's dequeue (without a wait) and attempt update
+  (store/api/fastjson.py): the common well-formed case without Django's middleware and DRF,
+  the same answer; anything else falls through to Django.
 
 Every other request (and each run of a waiting one) goes through Django's WSGI handler on a
 pool of WEB_THREADS threads, unchanged: the same views, validation, statuses and bodies.
@@ -49,7 +50,7 @@ _django = get_wsgi_application()  # sets Django up: the imports below need it
 
 from lightning_site.metrics import http_latency, http_requests  # noqa: E402
 from store import waits, wakeups  # noqa: E402
-from store.api import fastpath  # noqa: E402
+from store.api import fastjson, fastpath  # noqa: E402
 
 _JSON = [(b"content-type", b"application/json")]
 RETRY_AFTER_SECONDS = 2
@@ -86,8 +87,9 @@ class WaitSlots:
 
 class Front:
     def __init__(self, wsgi, *, threads: int, body_timeout: float, max_body: int,
-                 slots: WaitSlots, fast=None) -> None:  # noqa: ANN001 - fastpath.otlp_traces
-        self.wsgi, self.fast = wsgi, fast
+                 slots: WaitSlots, fast=None, fast_json=None) -> None:  # noqa: ANN001
+        # fast: fastpath.otlp_traces; fast_json: fastjson.route
+        self.wsgi, self.fast, self.fast_json = wsgi, fast, fast_json
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="web")
         self.body_timeout, self.max_body, self.slots = body_timeout, max_body, slots
 
@@ -101,9 +103,9 @@ class Front:
         if body is None:
             return
         loop = asyncio.get_running_loop()
-        if self.fast is not None and scope["path"] == fastpath.TRACES_PATH \
-                and scope["method"] == "POST":
-            answer = await loop.run_in_executor(self.pool, self._fast, scope, body)
+        lean = self._lean(scope)
+        if lean is not None:
+            answer = await loop.run_in_executor(self.pool, self._fast, lean, scope, body)
             if answer is not None:
                 await self._send(send, *answer)
                 return
@@ -169,13 +171,26 @@ class Front:
             if not message.get("more_body", False):
                 return b"".join(parts)
 
-    def _fast(self, scope: dict, body: bytes) -> tuple | None:
-        """The OTLP lean path (store/api/fastpath.py), counted in /metrics like Django's."""
+    def _lean(self, scope: dict) -> tuple | None:
+        """(route label, handler(headers, path, body)) of a lean path that may answer the
+        request, or None."""
+        if scope["path"] == fastpath.TRACES_PATH and scope["method"] == "POST":
+            if self.fast is not None:
+                return fastpath.TRACES_PATH, lambda headers, path, body: self.fast(headers, body)
+            return None
+        if self.fast_json is not None:
+            return self.fast_json(scope["method"], scope["path"], scope["query_string"])
+        return None
+
+    def _fast(self, lean: tuple, scope: dict, body: bytes) -> tuple | None:
+        """A lean path (store/api/fastpath.py, fastjson.py), counted in /metrics like
+        Django's. A handler returns None (Django answers) before it stored anything."""
+        route, handler = lean
         started = time.perf_counter()
-        answer = self.fast(dict(scope["headers"]), body)
+        answer = handler(dict(scope["headers"]), scope["path"], body)
         if answer is not None:
-            http_latency.labels(fastpath.TRACES_PATH).observe(time.perf_counter() - started)
-            http_requests.labels(fastpath.TRACES_PATH, "POST", str(answer[0])).inc()
+            http_latency.labels(route).observe(time.perf_counter() - started)
+            http_requests.labels(route, scope["method"], str(answer[0])).inc()
         return answer
 
     def _run(self, scope: dict, body: bytes, deferral: waits.Deferral) -> tuple:
@@ -269,6 +284,7 @@ def build() -> Front:
     return Front(
         _django,
         fast=fastpath.otlp_traces if fastpath.enabled() else None,
+        fast_json=fastjson.route if fastpath.enabled() else None,
         threads=int(os.environ.get("WEB_THREADS", "8")),
         body_timeout=settings.WEB_BODY_TIMEOUT_SECONDS,
         max_body=settings.STORE_API_MAX_BODY_BYTES,

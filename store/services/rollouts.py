@@ -189,15 +189,17 @@ def rollout_enqueue(*, project: Project, spec: RolloutSpec) -> Rollout:
 
 
 def rollout_dequeue_many(
-    *, project: Project, worker_id: str | None = None, limit: int = 1
+    *, project: Project, worker_id: str | None = None, limit: int = 1, idle_if_none: bool = True
 ) -> list[tuple[Rollout, Attempt]]:
     """Claim up to `limit` queued rollouts (highest priority, then oldest first), each with
-    a new attempt, in one transaction; rows another claimer holds are skipped, not waited on."""
+    a new attempt, in one transaction; rows another claimer holds are skipped, not waited on.
+    With `idle_if_none` False, a claim that finds nothing stores nothing (the worker is not
+    marked idle)."""
     if limit < 1:
         raise InvalidInput("limit", "must be >= 1")
     now = timezone.now()
     with transaction.atomic():
-        claimed = claim_queued(project, worker_id, limit, now)
+        claimed = claim_queued(project, worker_id, limit, now, idle_if_none=idle_if_none)
     return claimed
 
 

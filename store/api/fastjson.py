@@ -1,0 +1,268 @@
+"""A lean path for the two JSON requests of an AGL runner's loop: `POST
+/v1/agl/queues/rollouts/dequeue` (without a wait) and `POST
+/v1/agl/rollouts/{rollout_id}/attempts/{attempt_id}` (the attempt update that reports the
+verdict), as store/api/fastpath.py is for OTLP exports.
+
+The ASGI front (lightning_site/asgi.py) offers it these requests first (`route`). It answers
+only the common well-formed case: a valid key of a role the view allows, `Content-Type:
+application/json` with an `Accept` that DRF answers as plain JSON, no query string, a body
+that is a JSON object whose fields the view's own serializer fields accept (each field's
+`run_validation`, as `Serializer.is_valid` runs them, without copying the serializer's
+fields per request). It then calls the same service code as the view and renders the same
+serializer output with the same renderer (JSONNullRenderer), with the same headers
+(tests/api/test_api_fastjson.py compares status, headers and body with Django's answer).
+Anything else, an error included, returns None before anything is stored, and Django answers
+as it always has:
+
+- a dequeue with `wait_seconds` > 0 is answered here only when it claims something (the
+  claim then records the worker as busy, as Django's first look would); when the queue is
+  empty nothing is stored (the worker is not marked idle) and the request goes through Django,
+  whose long-poll waits via the front's deferral;
+- an attempt update whose service call fails (unknown attempt, illegal move) rolled back and
+  is answered by Django, in its words.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from rest_framework.fields import SkipField, empty
+
+from store import services, watchdog
+from store.api import fastpath, limits
+from store.api import serializers as s
+from store.api import views as v
+from store.api.auth import ANY_ROLE, authenticate_key, raw_key_from_header
+from store.api.base import CANCELLED_HEADER, JSONNullRenderer
+from store.models import ApiKey
+from store.services.longpoll import rollout_dequeue_wait
+from store.statemachine import ATTEMPT_FINAL
+
+log = logging.getLogger(__name__)
+
+Answer = fastpath.Answer
+DEQUEUE_PATH = "/v1/agl/queues/rollouts/dequeue"
+# The route labels Django's metrics middleware gives these requests (resolver_match.route).
+DEQUEUE_ROUTE = DEQUEUE_PATH
+ATTEMPT_ROUTE = "/v1/agl/rollouts/<str:rollout_id>/attempts/<str:attempt_id>"
+_ROLLOUTS_PREFIX = "/v1/agl/rollouts/"
+_ACCEPTS = (None, b"*/*", b"application/json")
+_JSON = b"application/json"
+
+_RENDERER = JSONNullRenderer()
+_DEQUEUE_FIELDS = s.DequeueIn().fields
+_UPDATE_FIELDS = s.UpdateAttemptIn().fields
+_ATTEMPTED = s.AttemptedRolloutOut()
+_ATTEMPT = s.AttemptOut()
+_REFUSED_NULLS = ("status", "worker_id", "last_heartbeat_time", "metadata")
+
+
+def _allow(view: type) -> bytes:
+    """DRF's Allow header, of the view as Django sets it up (`head` follows `get`)."""
+    instance = view()
+    instance.setup(None)
+    return ", ".join(instance.allowed_methods).encode()
+
+
+def _roles(view: type) -> frozenset:
+    return frozenset(getattr(view, "post_roles", ANY_ROLE))
+
+
+_DEQUEUE_VIEW = v.DequeueRolloutsView
+_DEQUEUE_ALLOW = _allow(_DEQUEUE_VIEW)
+_DEQUEUE_ROLES = _roles(_DEQUEUE_VIEW)
+
+
+def _attempt_view() -> type:
+    from store.api.urls import AttemptEndpoint  # the class Django's URL resolves to
+
+    return AttemptEndpoint
+
+
+_ATTEMPT_VIEW = _attempt_view()
+_ATTEMPT_ALLOW = _allow(_ATTEMPT_VIEW)
+_ATTEMPT_ROLES = _roles(_ATTEMPT_VIEW)
+
+Handler = Callable[[dict[bytes, bytes], str, bytes], Answer | None]
+
+
+def route(method: str, path: str, query_string: bytes) -> tuple[str, Handler] | None:
+    """The (route label, handler) of a request this path may answer, or None (cheap: it
+    runs on the event loop)."""
+    if method != "POST" or query_string:
+        return None
+    if path == DEQUEUE_PATH:
+        return DEQUEUE_ROUTE, dequeue
+    if path.startswith(_ROLLOUTS_PREFIX):
+        parts = path[len(_ROLLOUTS_PREFIX) :].split("/")
+        # rollouts/<id>/attempts/search is another view (search attempts).
+        if (
+            len(parts) == 3
+            and parts[1] == "attempts"
+            and parts[2] != "search"
+            and parts[0]
+            and parts[2]
+        ):
+            return ATTEMPT_ROUTE, update_attempt
+    return None
+
+
+def _strict_constant(name: str) -> Any:
+    raise ValueError(f"Out of range float values are not JSON compliant: {name!r}")
+
+
+def _key(headers: dict[bytes, bytes], path: str, body: bytes, roles: frozenset) -> ApiKey | None:
+    """The request's key when the request is one this path answers as Django would."""
+    if headers.get(b"content-type", b"").strip() != _JSON:
+        return None
+    if headers.get(b"accept", None) not in _ACCEPTS or headers.get(b"content-encoding"):
+        return None
+    if headers.get(b"x-forwarded-host") or not body or len(body) > limits.MAX_BODY_BYTES:
+        return None
+    if not (path.isascii() and path.isprintable()):
+        return None
+    if not fastpath._host_allowed(headers.get(b"host", b"").decode("latin-1")):
+        return None
+    try:
+        raw = raw_key_from_header(headers.get(b"authorization", b""))
+        if raw is None:
+            return None
+        key = authenticate_key(raw)  # a database error: Django's path answers (503)
+    except Exception:
+        return None
+    if key is None or key.role not in roles:
+        return None
+    return key
+
+
+def _swept(project_id: int) -> bool:
+    """StoreView.initial's sweep, before the view's body; False when it failed (Django's
+    path sweeps again and answers)."""
+    try:
+        watchdog.sweep_on_call(project_id)
+    except Exception:
+        log.debug("lean path: the sweep failed; falling back to Django", exc_info=True)
+        return False
+    return True
+
+
+_FAILED: Answer = (500, [(b"content-type", _JSON)], b'{"detail":"internal server error"}')
+
+
+def _answer(allow: bytes, build: Callable[[], tuple[Any, set[str]]]) -> Answer:
+    """The answer, built once the service call committed: an error now is a 500, never a
+    second run of the request through Django (it would claim or write again)."""
+    try:
+        data, cancelled = build()
+        content = _RENDERER.render(data, "application/json", {})
+    except Exception:
+        log.exception("lean path: the answer failed after the write")
+        return _FAILED
+    headers = fastpath._headers()
+    headers[0] = (b"content-type", _JSON)
+    headers[1] = (b"allow", allow)
+    if cancelled:
+        headers.append((CANCELLED_HEADER.lower().encode(), ",".join(sorted(cancelled)).encode()))
+    return 200, headers, content
+
+
+def _object(body: bytes) -> dict | None:
+    """The body as DRF's JSONParser reads it (strict: no NaN), when it is an object."""
+    try:
+        data = json.loads(body.decode("utf-8"), parse_constant=_strict_constant)
+    except Exception:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _validated(fields: Any, data: dict) -> dict | None:
+    """What `Serializer.is_valid` makes of `data` (a dict) with these fields, or None where
+    it would refuse it."""
+    out = {}
+    for name, field in fields.items():
+        try:
+            out[name] = field.run_validation(data.get(name, empty))
+        except SkipField:
+            continue
+        except Exception:
+            return None
+    return out
+
+
+def dequeue(headers: dict[bytes, bytes], path: str, body: bytes) -> Answer | None:
+    """DequeueRolloutsView's answer, or None: let Django answer."""
+    key = _key(headers, path, body, _DEQUEUE_ROLES)
+    if key is None:
+        return None
+    payload = _object(body)
+    data = None if payload is None else _validated(_DEQUEUE_FIELDS, payload)
+    if data is None:
+        return None
+    project = key.project
+    if not _swept(project.pk):
+        return None
+    claimed = []
+    if data["limit"] > 0:
+        try:
+            if data["wait_seconds"] > 0:
+                # Only a claim that finds work: on an empty queue it stores nothing (the
+                # worker is not marked idle) and Django's path waits.
+                claimed = services.rollout_dequeue_many(
+                    project=project,
+                    worker_id=data.get("worker_id"),
+                    limit=data["limit"],
+                    idle_if_none=False,
+                )
+                if not claimed:
+                    return None
+            else:
+                claimed = rollout_dequeue_wait(
+                    project=project,
+                    worker_id=data.get("worker_id"),
+                    limit=data["limit"],
+                    wait_seconds=0.0,
+                )
+        except Exception:
+            # Rolled back: Django's path answers (and refuses) it again, in its words.
+            log.debug("dequeue fast path: falling back to Django", exc_info=True)
+            return None
+    return _answer(
+        _DEQUEUE_ALLOW,
+        lambda: ([_ATTEMPTED.to_representation(s.attempted(r, a)) for r, a in claimed], set()),
+    )
+
+
+def update_attempt(headers: dict[bytes, bytes], path: str, body: bytes) -> Answer | None:
+    """UpdateAttemptView's answer, or None: let Django answer."""
+    key = _key(headers, path, body, _ATTEMPT_ROLES)
+    if key is None:
+        return None
+    payload = _object(body)
+    if payload is None or any(name in payload and payload[name] is None for name in _REFUSED_NULLS):
+        return None
+    data = _validated(_UPDATE_FIELDS, payload)
+    if data is None:
+        return None
+    rollout_id, _, attempt_id = path[len(_ROLLOUTS_PREFIX) :].split("/")
+    project = key.project
+    if not _swept(project.pk):
+        return None
+    try:
+        attempt = services.attempt_update(
+            project=project, rollout_id=rollout_id, attempt_id=attempt_id, **data
+        )
+    except Exception:
+        # Rolled back: Django's path refuses it again, in its words.
+        log.debug("attempt update fast path: falling back to Django", exc_info=True)
+        return None
+
+    def build() -> tuple[Any, set[str]]:
+        cancelled: set[str] = set()
+        if attempt.status not in ATTEMPT_FINAL:  # a runner that gave its verdict is done
+            cancelled = v._cancelled([attempt])
+        return _ATTEMPT.to_representation(attempt), cancelled
+
+    return _answer(_ATTEMPT_ALLOW, build)
