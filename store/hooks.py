@@ -37,12 +37,20 @@ def remove_rollouts_finished(callback: FinishedCallback) -> None:
         _finished_callbacks.remove(callback)
 
 
-def notify_rollouts_finished(rollouts: Iterable[Rollout]) -> None:
+def finished_notices(rollouts: Iterable[Rollout]) -> list[tuple[str, int]]:
+    """The wake-ups `notify_rollouts_finished` announces for these rollouts."""
+    return [(wakeups.FINISHED, project_id)
+            for project_id in sorted({r.project_id for r in rollouts})]
+
+
+def notify_rollouts_finished(rollouts: Iterable[Rollout], announced: bool = False) -> None:
     """Called by the store inside the transaction that made `rollouts` terminal: callbacks of
-    this process run after commit, and waiting requests of every process are woken."""
+    this process run after commit, and waiting requests of every process are woken (unless
+    `announced`: the writer sent `finished_notices` with its own statement)."""
     finished = list(rollouts)
-    for project_id in sorted({r.project_id for r in finished}):
-        wakeups.announce(wakeups.FINISHED, project_id)
+    if not announced:
+        for channel, project_id in finished_notices(finished):
+            wakeups.announce(channel, project_id)
     if finished and _finished_callbacks:
         transaction.on_commit(lambda: _call(finished))
 

@@ -41,6 +41,18 @@ def announce(channel: str, project_id: int) -> None:
             cursor.execute("SELECT pg_notify(%s, %s)", [channel, str(project_id)])
 
 
+def announce_statement(notices: list[tuple[str, int]]) -> tuple[str, list] | None:
+    """`announce` for each (channel, project id), as one statement for a writer to send with
+    its last write (store/services/_bulk.write_together's `last`); None when there is
+    nothing to send or the database is not Postgres."""
+    if not notices or connection.vendor != "postgresql":
+        return None
+    params: list = []
+    for channel, project_id in notices:
+        params += [channel, str(project_id)]
+    return "SELECT " + ", ".join(["pg_notify(%s, %s)"] * len(notices)), params
+
+
 class _Listener(threading.Thread):
     def __init__(self, params: dict) -> None:
         super().__init__(name="store-wakeups", daemon=True)

@@ -227,3 +227,101 @@ def test_the_deadline_follows_the_servers_clock_not_the_runners(project):
     beat.refresh_from_db()
     assert beat.last_heartbeat_time == behind  # stored as sent (AGL)
     assert beat.deadline > timezone.now() + timedelta(seconds=9)
+
+
+def _statements(queries) -> list[str]:
+    return [q["sql"] for q in queries if q["sql"] not in ("BEGIN", "COMMIT")
+            and not q["sql"].startswith(("SAVEPOINT", "RELEASE SAVEPOINT"))]
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_verdict_on_postgres_is_one_locking_statement_and_one_write_with_its_wakeups(
+        project):
+    """Both locks (attempts, then rollouts) in one statement; the writes and the wake-up
+    (pg_notify, delivered at commit) in another."""
+    import psycopg
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from store import wakeups
+
+    enqueue(project, 2, config=RETRY)
+    done, done_attempt = claim(project, "w1")
+    retried, retried_attempt = claim(project, "w2")
+    settings = connection.settings_dict
+    listener = psycopg.connect(host=settings["HOST"] or "127.0.0.1", port=settings["PORT"] or 5432,
+                               user=settings["USER"], dbname=settings["NAME"], autocommit=True)
+    try:
+        listener.execute(f"LISTEN {wakeups.FINISHED}")
+        listener.execute(f"LISTEN {wakeups.QUEUED}")
+        with CaptureQueriesContext(connection) as captured:
+            finish(project, done, done_attempt, "succeeded")
+        statements = _statements(captured.captured_queries)
+        assert len(statements) == 2, statements
+        assert statements[0].count("FOR NO KEY UPDATE") == 2
+        assert "pg_notify" in statements[1] and "UPDATE" in statements[1]
+        with CaptureQueriesContext(connection) as captured:
+            finish(project, retried, retried_attempt, "failed")  # requeued: QUEUED
+        assert len(_statements(captured.captured_queries)) == 2
+        heard = [(n.channel, n.payload) for n in listener.notifies(timeout=2, stop_after=2)]
+        assert heard == [(wakeups.FINISHED, str(project.pk)), (wakeups.QUEUED, str(project.pk))]
+    finally:
+        listener.close()
+    done.refresh_from_db()
+    retried.refresh_from_db()
+    assert (done.status, retried.status) == ("succeeded", "requeuing")
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_the_one_locking_statement_locks_every_attempt_before_any_rollout(project):
+    """The lock order of every writer (attempts, then rollouts): while another transaction
+    holds the rollout, the report waits for it holding the attempt already."""
+    import threading
+
+    import psycopg
+    from django.db import connection
+
+    enqueue(project, 1)
+    rollout, attempt = claim(project, "w1")
+    settings = connection.settings_dict
+    params = {"host": settings["HOST"] or "127.0.0.1", "port": settings["PORT"] or 5432,
+              "user": settings["USER"], "dbname": settings["NAME"]}
+    holder = psycopg.connect(**params)
+    prober = psycopg.connect(**params, autocommit=True)
+    try:
+        holder.execute("SELECT 1 FROM store_rollout WHERE id = %s FOR NO KEY UPDATE",
+                       [rollout.pk])
+        errors: list = []
+
+        def report() -> None:
+            try:
+                finish(project, rollout, attempt, "succeeded")
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+            finally:
+                connection.close()
+
+        thread = threading.Thread(target=report)
+        thread.start()
+        import time
+
+        deadline = time.monotonic() + 10
+        while True:  # until the report waits for the rollout, holding the attempt
+            try:
+                prober.execute("SELECT 1 FROM store_attempt WHERE id = %s "
+                               "FOR NO KEY UPDATE NOWAIT", [attempt.pk])
+            except psycopg.errors.LockNotAvailable:
+                break
+            assert time.monotonic() < deadline, "the report never locked the attempt"
+            time.sleep(0.05)
+        assert thread.is_alive()
+        holder.rollback()
+        thread.join(10)
+        assert not thread.is_alive() and not errors
+    finally:
+        holder.close()
+        prober.close()
+    rollout.refresh_from_db()
+    assert rollout.status == "succeeded"

@@ -241,3 +241,24 @@ def test_claim_returns_rows_as_stored(project):
         assert stored.input == rollout.input and rollout.metadata == {"m": 1}
         assert stored.status == rollout.status == "preparing"
         assert attempt.attempt_id == stored.latest_attempt.attempt_id
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_dequeue_outside_a_transaction_is_one_statement_on_postgres(project):
+    """The claim is one statement: without BEGIN and COMMIT around it (two round trips)."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    enqueue(project, 2)
+    with CaptureQueriesContext(connection) as captured:
+        claimed = services.rollout_dequeue_many(project=project, worker_id="w1", limit=1)
+    assert len(claimed) == 1 and len(captured.captured_queries) == 1
+    with CaptureQueriesContext(connection) as captured:  # nothing found, worker kept busy
+        assert services.rollout_dequeue_many(project=project, worker_id="w2", limit=5,
+                                             idle_if_none=False) != []
+        assert services.rollout_dequeue_many(project=project, worker_id="w3", limit=1,
+                                             idle_if_none=False) == []
+    assert len(captured.captured_queries) == 2
+    assert not Worker.objects.filter(worker_id="w3").exists()
+    assert Worker.objects.get(worker_id="w1").status == "busy"

@@ -29,7 +29,8 @@ def claim_queued(
 ) -> list[tuple[Rollout, Attempt]]:
     """Claim up to `limit` queued rollouts (or the named one), highest priority then oldest
     first, and record the dequeue on the worker (busy with the last rollout claimed; idle
-    when none was, unless `idle_if_none` is False). Must run inside a transaction."""
+    when none was, unless `idle_if_none` is False). Must run inside a transaction, except
+    an unnamed claim on Postgres: one statement, atomic by itself."""
     if connection.vendor == "postgresql":
         claimed = _claim_sql(project, worker_id, limit, now, rollout_id, idle_if_none)
     else:

@@ -50,6 +50,12 @@ def _attempts_with_rollouts(where: str, lock: str, params: list) -> list[Attempt
         f"SELECT {_columns(Attempt, 'a')}, {_columns(Rollout, 'r')} FROM store_attempt a "
         f"JOIN store_rollout r ON r.id = a.rollout_id WHERE {where} ORDER BY a.id {lock}"
     )
+    return _instances(sql, params)
+
+
+def _instances(sql: str, params: list) -> list[Attempt]:
+    """Attempts, each with its rollout (one instance per rollout), from rows of attempt
+    columns then rollout columns."""
     width = len(Attempt._meta.concrete_fields)
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
@@ -87,12 +93,28 @@ def attempts_locked(project_id: int, rollout_ids: list[str], attempt_ids: list[s
     if attempt_ids is not None:
         where += " AND a.attempt_id = ANY(%s)"
         params.append(attempt_ids)
-    attempts = _attempts_with_rollouts(where, "FOR NO KEY UPDATE OF a", params)
-    if lock_rollouts and attempts:
-        fresh = rollouts_locked(project_id, sorted({a.rollout_id for a in attempts}))
-        for attempt in attempts:
-            attempt._state.fields_cache["rollout"] = fresh[attempt.rollout_id]
-    return attempts
+    if lock_rollouts:
+        return _attempts_then_rollouts_locked(where, params + [project_id])
+    return _attempts_with_rollouts(where, "FOR NO KEY UPDATE OF a", params)
+
+
+def _attempts_then_rollouts_locked(where: str, params: list) -> list[Attempt]:
+    """Both locking steps of `attempts_locked(lock_rollouts=True)` in one statement (one round
+    trip): the attempts locked in id order (a materialized WITH clause), then their rollouts
+    in id order, as they are once locked. The rollouts' ids come from an array built from
+    the locked attempts before the rollouts' scan begins (an init plan), so every attempt is
+    locked before the first rollout, as with two statements."""
+    sql = (
+        f"WITH la AS MATERIALIZED (SELECT {_columns(Attempt, 'a')} FROM store_attempt a "
+        f"JOIN store_rollout r ON r.id = a.rollout_id WHERE {where} "
+        "ORDER BY a.id FOR NO KEY UPDATE OF a), "
+        f"lr AS MATERIALIZED (SELECT {_columns(Rollout, 'r')} FROM store_rollout r "
+        "WHERE r.id = ANY(ARRAY(SELECT DISTINCT la.rollout_id FROM la)) "
+        "AND r.project_id + 0 = %s ORDER BY r.id FOR NO KEY UPDATE) "
+        f"SELECT {_columns(Attempt, 'la')}, {_columns(Rollout, 'lr')} FROM la "
+        "JOIN lr ON lr.id = la.rollout_id ORDER BY la.id"
+    )
+    return _instances(sql, params)
 
 
 def rollouts_locked(project_id: int, rollout_ids: list[str]) -> dict[str, Rollout]:

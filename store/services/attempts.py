@@ -10,7 +10,7 @@ from typing import Any
 from django.db import connection, transaction
 from django.utils import timezone
 
-from store import wakeups
+from store import hooks, wakeups
 from store.errors import IllegalTransition, InvalidInput, NotFound
 from store.models import Attempt, Project, Rollout
 from store.services._bulk import Write, write_together
@@ -101,16 +101,22 @@ def attempt_update_many(*, project: Project, updates: Sequence[AttemptUpdate]) -
                 changed_rollouts[rollout.pk] = rollout
                 if not was_terminal and rollout.status in ROLLOUT_TERMINAL:
                     finished.append(rollout)
-        # One round trip on Postgres for the attempts, their rollouts and their workers.
+        notices = hooks.finished_notices(finished)
+        if any(r.status in QUEUED for r in changed_rollouts.values()):
+            notices.insert(0, (wakeups.QUEUED, project.pk))  # a failed attempt was requeued
+        # One round trip on Postgres for the attempts, their rollouts and their workers, and
+        # the wake-ups (delivered at commit, as `wakeups.announce` would send them).
+        last = wakeups.announce_statement(notices)
         write_together([
             Write.set(attempts, ["status", "end_time", "worker_id", "last_heartbeat_time",
                                  "metadata", "deadline"]),
             Write.set(list(changed_rollouts.values()), ROLLOUT_FOLLOW_FIELDS),
             *worker_writes_for_attempts(project.pk, attempts, now),
-        ])
-        if any(r.status in QUEUED for r in changed_rollouts.values()):
-            wakeups.announce(wakeups.QUEUED, project.pk)  # a failed attempt was requeued
-        rollouts_finished(finished, now)
+        ], last=last)
+        if last is None:
+            for channel, project_id in notices:
+                wakeups.announce(channel, project_id)
+        rollouts_finished(finished, now, announced=True)
     return attempts
 
 

@@ -112,9 +112,11 @@ def group_completions_take(*, owner: str, limit: int = 100) -> list[GroupComplet
             if GroupCompletion.objects.filter(pk=event.pk).delete()[0]]
 
 
-def rollouts_finished(rollouts: Iterable[Rollout], now: datetime | None = None) -> None:
+def rollouts_finished(rollouts: Iterable[Rollout], now: datetime | None = None,
+                      announced: bool = False) -> None:
     """Every writer's last step for rollouts that it made terminal, inside its transaction:
-    their groups count them, and the store's hook and wake-ups are told."""
+    their groups count them, and the store's hook and wake-ups are told (`announced`: the
+    writer already sent hooks.finished_notices with one of its statements)."""
     finished = list(rollouts)
     rollouts_terminal(finished, 1, now)
-    hooks.notify_rollouts_finished(finished)
+    hooks.notify_rollouts_finished(finished, announced=announced)

@@ -8,7 +8,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from store import hooks, wakeups
@@ -198,6 +198,10 @@ def rollout_dequeue_many(
     if limit < 1:
         raise InvalidInput("limit", "must be >= 1")
     now = timezone.now()
+    if connection.vendor == "postgresql" and not connection.in_atomic_block:
+        # On Postgres the claim is one statement (_claim.py), atomic by itself: without
+        # BEGIN and COMMIT it is two round trips shorter.
+        return claim_queued(project, worker_id, limit, now, idle_if_none=idle_if_none)
     with transaction.atomic():
         claimed = claim_queued(project, worker_id, limit, now, idle_if_none=idle_if_none)
     return claimed
