@@ -39,8 +39,9 @@ def remove_rollouts_finished(callback: FinishedCallback) -> None:
 
 def finished_notices(rollouts: Iterable[Rollout]) -> list[tuple[str, int]]:
     """The wake-ups `notify_rollouts_finished` announces for these rollouts."""
-    return [(wakeups.FINISHED, project_id)
-            for project_id in sorted({r.project_id for r in rollouts})]
+    return [
+        (wakeups.FINISHED, project_id) for project_id in sorted({r.project_id for r in rollouts})
+    ]
 
 
 def notify_rollouts_finished(rollouts: Iterable[Rollout], announced: bool = False) -> None:

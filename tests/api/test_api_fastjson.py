@@ -85,10 +85,10 @@ def test_routes_are_the_urls_django_resolves_with_the_same_metric_labels():
     assert "/" + resolve(path).route == fastjson.ATTEMPT_ROUTE
     assert fastjson.route("POST", path, b"")[0] == fastjson.ATTEMPT_ROUTE
     for method, other, query in [
-        ("GET", path, b""),                                   # get_attempt
-        ("POST", path, b"x=1"),                               # a query string
+        ("GET", path, b""),  # get_attempt
+        ("POST", path, b"x=1"),  # a query string
         ("POST", "/v1/agl/rollouts/ro-1/attempts/search", b""),  # search_attempts
-        ("POST", "/v1/agl/rollouts/ro-1/attempts", b""),      # start_attempt
+        ("POST", "/v1/agl/rollouts/ro-1/attempts", b""),  # start_attempt
         ("POST", "/v1/agl/rollouts/ro-1/attempts/at-1/finish", b""),
         ("POST", "/v1/agl/rollouts//attempts/at-1", b""),
         ("POST", DEQUEUE + "/", b""),
@@ -96,20 +96,25 @@ def test_routes_are_the_urls_django_resolves_with_the_same_metric_labels():
         assert fastjson.route(method, other, query) is None, (method, other, query)
 
 
-@pytest.mark.parametrize("body", [
-    {"limit": 1, "worker_id": "runner-1"},       # AGL's client
-    {"limit": 1},
-    {},
-    {"limit": "1", "worker_id": "w"},            # DRF's IntegerField takes "1"
-    {"limit": 1.0, "wait_seconds": 0},
-    {"limit": 2, "worker_id": "w", "extra": [1]},  # unknown fields are ignored
-    {"limit": 0},                                # AGL: [] for a limit of 0 or less
-    {"limit": -5, "worker_id": "w"},
-    {"limit": 1, "worker_id": "w", "wait_seconds": 3},  # work is there: no wait
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"limit": 1, "worker_id": "runner-1"},  # AGL's client
+        {"limit": 1},
+        {},
+        {"limit": "1", "worker_id": "w"},  # DRF's IntegerField takes "1"
+        {"limit": 1.0, "wait_seconds": 0},
+        {"limit": 2, "worker_id": "w", "extra": [1]},  # unknown fields are ignored
+        {"limit": 0},  # AGL: [] for a limit of 0 or less
+        {"limit": -5, "worker_id": "w"},
+        {"limit": 1, "worker_id": "w", "wait_seconds": 3},  # work is there: no wait
+    ],
+)
 def test_dequeue_answers_what_django_answers(project, key, body):
-    specs = [RolloutSpec(input={"q": "é"}, metadata={"k": "é\u2028"},
-                         config={"timeout_seconds": 30}) for _ in range(4)]
+    specs = [
+        RolloutSpec(input={"q": "é"}, metadata={"k": "é\u2028"}, config={"timeout_seconds": 30})
+        for _ in range(4)
+    ]
     services.rollout_enqueue_many(project=project, specs=specs)
     raw = json.dumps(body).encode()
     fast = _fast(key, DEQUEUE, raw)
@@ -124,8 +129,7 @@ def test_dequeue_answers_what_django_answers(project, key, body):
         ids[mine["attempt"]["attempt_id"]] = theirs["attempt"]["attempt_id"]
     _same_but_ids_and_times(_fast_comparable(fast), _django_comparable(slow), ids)
     # Byte for byte: Django's rendering of the same rollouts, as stored.
-    got = [_django_get(key, f"/v1/agl/rollouts/{r['rollout_id']}").content
-           for r in fast_claimed]
+    got = [_django_get(key, f"/v1/agl/rollouts/{r['rollout_id']}").content for r in fast_claimed]
     assert fast[2] == b"[" + b",".join(got) + b"]"
     if body.get("worker_id") and int(body.get("limit", 1)) > 0:
         worker = Worker.objects.get(project=project, worker_id=body["worker_id"])
@@ -140,36 +144,38 @@ def test_an_empty_queue_answers_the_same_and_marks_the_worker_idle(project, key)
     assert _fast_comparable(fast) == _django_comparable(_django(key, DEQUEUE, raw))
 
 
-@pytest.mark.parametrize("headers,body", [
-    ({}, b'{"limit": %d}' % (limits.MAX_ROLLOUTS_PER_REQUEST + 1)),  # over the maximum: 422
-    ({}, b'{"limit": "x"}'),
-    ({}, b'{"limit": 1.5}'),
-    ({}, b'{"limit": null}'),
-    ({}, b'{"limit": true}'),
-    ({}, b'{"worker_id": ""}'),
-    ({}, b'{"worker_id": 5}'),
-    ({}, b'{"worker_id": "a\\u0000b"}'),
-    ({}, json.dumps({"worker_id": "w" * 201}).encode()),
-    ({}, b'{"wait_seconds": -1}'),
-    ({}, b'{"wait_seconds": 1e9}'),
-    ({}, b'{"wait_seconds": "NaN"}'),
-    ({}, b'{"limit": NaN}'),
-    ({}, b'{"limit": 1'),                        # not JSON: 400
-    ({}, b"[1]"),
-    ({}, b"null"),                               # Django takes it for {} (and claims)
-    ({}, b""),
-    ({}, b"\xff"),
-    ({"content-type": "text/plain"}, b'{"limit": 1}'),
-    ({"content-type": "application/json; charset=latin-1"}, b'{"limit": 1}'),
-    ({"accept": "application/json; indent=4"}, b'{"limit": 1}'),
-    ({"accept": "text/html"}, b'{"limit": 1}'),  # 406
-    ({"host": "evil.example"}, b'{"limit": 1}'),
-    ({"authorization": "Token x"}, b'{"limit": 1}'),
-    ({"authorization": "Bearer agl_nope"}, b'{"limit": 1}'),
-    ({"content-encoding": "gzip"}, b'{"limit": 1}'),
-])
-def test_dequeue_leaves_anything_else_to_django_and_claims_nothing(project, key, headers,
-                                                                    body):
+@pytest.mark.parametrize(
+    "headers,body",
+    [
+        ({}, b'{"limit": %d}' % (limits.MAX_ROLLOUTS_PER_REQUEST + 1)),  # over the maximum: 422
+        ({}, b'{"limit": "x"}'),
+        ({}, b'{"limit": 1.5}'),
+        ({}, b'{"limit": null}'),
+        ({}, b'{"limit": true}'),
+        ({}, b'{"worker_id": ""}'),
+        ({}, b'{"worker_id": 5}'),
+        ({}, b'{"worker_id": "a\\u0000b"}'),
+        ({}, json.dumps({"worker_id": "w" * 201}).encode()),
+        ({}, b'{"wait_seconds": -1}'),
+        ({}, b'{"wait_seconds": 1e9}'),
+        ({}, b'{"wait_seconds": "NaN"}'),
+        ({}, b'{"limit": NaN}'),
+        ({}, b'{"limit": 1'),  # not JSON: 400
+        ({}, b"[1]"),
+        ({}, b"null"),  # Django takes it for {} (and claims)
+        ({}, b""),
+        ({}, b"\xff"),
+        ({"content-type": "text/plain"}, b'{"limit": 1}'),
+        ({"content-type": "application/json; charset=latin-1"}, b'{"limit": 1}'),
+        ({"accept": "application/json; indent=4"}, b'{"limit": 1}'),
+        ({"accept": "text/html"}, b'{"limit": 1}'),  # 406
+        ({"host": "evil.example"}, b'{"limit": 1}'),
+        ({"authorization": "Token x"}, b'{"limit": 1}'),
+        ({"authorization": "Bearer agl_nope"}, b'{"limit": 1}'),
+        ({"content-encoding": "gzip"}, b'{"limit": 1}'),
+    ],
+)
+def test_dequeue_leaves_anything_else_to_django_and_claims_nothing(project, key, headers, body):
     enqueue(project, 1)
     assert _fast(key, DEQUEUE, body, **headers) is None
     assert Rollout.objects.get(project=project).status == "queuing"
@@ -187,18 +193,21 @@ def _update_path(rollout_id: str, attempt_id: str) -> str:
     return f"/v1/agl/rollouts/{rollout_id}/attempts/{attempt_id}"
 
 
-@pytest.mark.parametrize("body", [
-    {"status": "succeeded"},                     # the bench's and AGL's runner verdict
-    {"status": "failed"},
-    {"status": "running", "worker_id": "runner-1"},
-    {"worker_id": "runner-2", "metadata": {"x": [1, 2.5, None, "é"]}},
-    {"worker_id": ""},                           # "" clears the worker, as in AGL
-    {"last_heartbeat_time": 1700000000.25},
-    {"last_heartbeat_time": 1700000000},
-    {"metadata": {}},
-    {},
-    {"status": "succeeded", "extra": True},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"status": "succeeded"},  # the bench's and AGL's runner verdict
+        {"status": "failed"},
+        {"status": "running", "worker_id": "runner-1"},
+        {"worker_id": "runner-2", "metadata": {"x": [1, 2.5, None, "é"]}},
+        {"worker_id": ""},  # "" clears the worker, as in AGL
+        {"last_heartbeat_time": 1700000000.25},
+        {"last_heartbeat_time": 1700000000},
+        {"metadata": {}},
+        {},
+        {"status": "succeeded", "extra": True},
+    ],
+)
 def test_attempt_update_answers_what_django_answers(project, key, body):
     enqueue(project, 2, config={"timeout_seconds": 60})
     first, first_attempt = claim(project)
@@ -207,8 +216,11 @@ def test_attempt_update_answers_what_django_answers(project, key, body):
     fast = _fast(key, _update_path(first.pk, first_attempt.attempt_id), raw)
     assert fast is not None
     slow = _django(key, _update_path(second.pk, second_attempt.attempt_id), raw)
-    _same_but_ids_and_times(_fast_comparable(fast), _django_comparable(slow), {
-        first.pk: second.pk, first_attempt.attempt_id: second_attempt.attempt_id})
+    _same_but_ids_and_times(
+        _fast_comparable(fast),
+        _django_comparable(slow),
+        {first.pk: second.pk, first_attempt.attempt_id: second_attempt.attempt_id},
+    )
     # Byte for byte: Django's rendering of the attempt as stored...
     path = _update_path(first.pk, first_attempt.attempt_id)
     assert _django_get(key, path).content == fast[2]
@@ -232,50 +244,62 @@ def test_latest_and_a_cancelled_rollout_answer_as_django(project, key):
     assert fast is not None
     assert (b"x-cancelled-rollouts", first.pk.encode()) in fast[1]
     slow = _django(key, _update_path(second.pk, "latest"), raw)
-    _same_but_ids_and_times(_fast_comparable(fast), _django_comparable(slow), {
-        first.pk: second.pk, first.latest_attempt.attempt_id: second.latest_attempt.attempt_id})
+    _same_but_ids_and_times(
+        _fast_comparable(fast),
+        _django_comparable(slow),
+        {first.pk: second.pk, first.latest_attempt.attempt_id: second.latest_attempt.attempt_id},
+    )
 
 
-@pytest.mark.parametrize("body", [
-    b'{"status": "bogus"}',
-    b'{"status": 1}',
-    b'{"status": null}',                         # AGL's 400: null is refused
-    b'{"worker_id": null}',
-    b'{"metadata": null}',
-    b'{"last_heartbeat_time": null}',
-    b'{"metadata": []}',
-    b'{"metadata": {"a": NaN}}',
-    b'{"last_heartbeat_time": "x"}',
-    b'{"last_heartbeat_time": 1e300}',
-    b'{"last_heartbeat_time": true}',
-    b'{"worker_id": 7}',
-    json.dumps({"worker_id": "w" * 201}).encode(),
-    b'{"status": "succeeded"',
-    b"[]",
-    b"null",
-    b"",
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"status": "bogus"}',
+        b'{"status": 1}',
+        b'{"status": null}',  # AGL's 400: null is refused
+        b'{"worker_id": null}',
+        b'{"metadata": null}',
+        b'{"last_heartbeat_time": null}',
+        b'{"metadata": []}',
+        b'{"metadata": {"a": NaN}}',
+        b'{"last_heartbeat_time": "x"}',
+        b'{"last_heartbeat_time": 1e300}',
+        b'{"last_heartbeat_time": true}',
+        b'{"worker_id": 7}',
+        json.dumps({"worker_id": "w" * 201}).encode(),
+        b'{"status": "succeeded"',
+        b"[]",
+        b"null",
+        b"",
+    ],
+)
 def test_attempt_update_leaves_anything_else_to_django_and_stores_nothing(project, key, body):
     enqueue(project, 1)
     rollout, attempt = claim(project)
     before = Attempt.objects.get(pk=attempt.pk)
     assert _fast(key, _update_path(rollout.pk, attempt.attempt_id), body) is None
     after = Attempt.objects.get(pk=attempt.pk)
-    assert (after.status, after.worker_id, after.metadata, after.last_heartbeat_time) == \
-        (before.status, before.worker_id, before.metadata, before.last_heartbeat_time)
-    assert _django(key, _update_path(rollout.pk, attempt.attempt_id), body).status_code != 200 \
-        or body in (b"null", b"")
+    assert (after.status, after.worker_id, after.metadata, after.last_heartbeat_time) == (
+        before.status,
+        before.worker_id,
+        before.metadata,
+        before.last_heartbeat_time,
+    )
+    assert _django(
+        key, _update_path(rollout.pk, attempt.attempt_id), body
+    ).status_code != 200 or body in (b"null", b"")
 
 
 def test_failed_service_calls_are_left_to_django(project, key, other_project):
     enqueue(project, 1)
     rollout, attempt = claim(project)
-    services.attempt_update(project=project, rollout_id=rollout.pk,
-                            attempt_id=attempt.attempt_id, status="succeeded")
+    services.attempt_update(
+        project=project, rollout_id=rollout.pk, attempt_id=attempt.attempt_id, status="succeeded"
+    )
     other_key = services.api_key_create(project=other_project, role="runner")[1]
     for who, path, body in [
         (key, _update_path(rollout.pk, attempt.attempt_id), b'{"status": "failed"}'),  # 409
-        (key, _update_path(rollout.pk, "at-nope"), b'{"status": "succeeded"}'),       # 404
+        (key, _update_path(rollout.pk, "at-nope"), b'{"status": "succeeded"}'),  # 404
         (key, _update_path("ro-nope", "latest"), b'{"status": "succeeded"}'),
         (other_key, _update_path(rollout.pk, attempt.attempt_id), b'{"status": "succeeded"}'),
     ]:
@@ -296,8 +320,9 @@ def test_a_long_polled_dequeue_still_waits_via_the_front(api_server, keys: Keys)
         thread = threading.Thread(target=later)
         started = time.monotonic()
         thread.start()
-        answer = runner.post("/queues/rollouts/dequeue",
-                             json={"worker_id": "w1", "wait_seconds": 10})
+        answer = runner.post(
+            "/queues/rollouts/dequeue", json={"worker_id": "w1", "wait_seconds": 10}
+        )
         elapsed = time.monotonic() - started
         thread.join()
         assert answer.status_code == 200, answer.text
@@ -305,6 +330,7 @@ def test_a_long_polled_dequeue_still_waits_via_the_front(api_server, keys: Keys)
         # Work is there: a long-poll is answered at once (by the lean path).
         algo.post("/queues/rollouts/enqueue", json={"rollouts": [{"input": 2}]})
         started = time.monotonic()
-        answer = runner.post("/queues/rollouts/dequeue",
-                             json={"worker_id": "w1", "wait_seconds": 10})
+        answer = runner.post(
+            "/queues/rollouts/dequeue", json={"worker_id": "w1", "wait_seconds": 10}
+        )
         assert len(answer.json()) == 1 and time.monotonic() - started < 5
