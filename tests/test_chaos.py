@@ -5,33 +5,51 @@ with -s to see the figures; tests never assert on speed).
 
 Faults: kill -9 of a worker child mid-rollout (Celery redelivers its message: the fast
 takeover), a broker this process cannot reach for a few seconds (messages owed by their rows,
-re-sent by the next reconcile), kill -9 of the whole worker and a new one started.
-Postgres and the broker themselves are shared by the development machine's test runs, so
-they are not restarted here.
+re-sent by the next reconcile), kill -9 of the whole worker and a new one started; a Postgres
+restart mid-stream (`pg_ctl stop -m immediate`, a few seconds down, started again) on a
+throwaway cluster of the test's own (tests/private_postgres.py: the development machine's
+shared Postgres is never restarted), with the API answering 503 + Retry-After, never 500,
+while it is down; kill -9 of the training worker mid-step during a training job and a new one
+started (checkpoint versions gapless, one per step). The broker is shared by the development
+machine's test runs, so it is not restarted here.
+
+    .venv/bin/pytest tests/test_chaos.py -s   # the figures per fault
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections import Counter
 
+import httpx
 import pytest
+from django.db import InterfaceError, OperationalError, connection
 from django.db.models import Count, Q
 
 from runners import services as runner_services
-from store.models import Rollout
+from store import services as store_services
+from store.models import ResourceVersion, Rollout
 from store.services import RolloutSpec
 from store.statemachine import ROLLOUT_TERMINAL
+from tests.api.conftest import Server
 from tests.celery_fixtures import use_broker, wait_until
+from tests.private_postgres import manage, private_postgres_cluster, using_database
+from tests.test_trainer_celery import checkpoint_dir, make_job  # noqa: F401 - a fixture
+from trainer import services as trainer_services
+from trainer.models import JobStatus, StepStatus
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow,
-              pytest.mark.parametrize("broker", ["rabbitmq", "redis"], indirect=True)]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+BOTH_BROKERS = pytest.mark.parametrize("broker", ["rabbitmq", "redis"], indirect=True)
 DEFAULTS = {"RUNNERS_HEARTBEAT_SECONDS": "5"}  # the settings' default, not the tests' 0.5 s
 CONFIG = {"max_attempts": 3, "retry_condition": ["timeout", "unresponsive"]}  # the trainer's
 DOWN = "redis://127.0.0.1:18603/0"
+PG_PORT = 18610  # the throwaway Postgres cluster restarted mid-stream
+WEB_PORT = 18611  # the API server on it
 
 
 class Stream:
@@ -40,12 +58,18 @@ class Stream:
     def __init__(self, project) -> None:
         self.project = project
         self.ids: list[str] = []
+        self.refused = 0  # ticks the database refused (it was down): the caller tries later
 
     def tick(self, n: int = 2) -> None:
-        rollouts = runner_services.rollouts_enqueue_for_celery(
-            project=self.project, agent="tests.celery_agents:looping_agent",
-            specs=[RolloutSpec(input={"seconds": 0.3}, config=CONFIG) for _ in range(n)],
-        )
+        try:
+            rollouts = runner_services.rollouts_enqueue_for_celery(
+                project=self.project, agent="tests.celery_agents:looping_agent",
+                specs=[RolloutSpec(input={"seconds": 0.3}, config=CONFIG) for _ in range(n)],
+            )
+        except (OperationalError, InterfaceError):
+            connection.close()  # as Django does at the end of a request that met the error
+            self.refused += 1
+            return
         self.ids += [r.pk for r in rollouts]
 
     def run_for(self, seconds: float) -> None:
@@ -65,10 +89,17 @@ def recovery_seconds(project, began: float, fault_at: float,
                      window: float = 3.0) -> float | None:
     """Seconds from `fault_at` until the completion rate (over `window` s) is back to 90% of
     its rate in the 15 s before the fault `began`."""
-    ends = sorted(t.timestamp() for t in Rollout.objects.filter(
-        project=project, end_time__isnull=False).values_list("end_time", flat=True))
-    before = [t for t in ends if began - 15 <= t < began]
-    rate = len(before) / 15
+    ends = [t.timestamp() for t in Rollout.objects.filter(
+        project=project, end_time__isnull=False).values_list("end_time", flat=True)]
+    return rate_back(ends, began, fault_at, before=15, window=window)
+
+
+def rate_back(ends: list[float], began: float, fault_at: float, *, before: float,
+              window: float) -> float | None:
+    """Seconds from `fault_at` until the rate of events at `ends` (over `window` s) is back to
+    90% of its rate in the `before` seconds before the fault `began`."""
+    ends = sorted(ends)
+    rate = len([t for t in ends if began - before <= t < began]) / before
     t = fault_at
     while t < (ends[-1] if ends else fault_at):
         if sum(1 for e in ends if t <= e < t + window) / window >= 0.9 * rate:
@@ -77,6 +108,7 @@ def recovery_seconds(project, began: float, fault_at: float,
     return None
 
 
+@BOTH_BROKERS
 def test_nothing_is_lost_stuck_or_duplicated_and_each_fault_recovers(
     project, broker_url, sending_to, celery_workers, capsys
 ):
@@ -158,3 +190,179 @@ def _a_busy_child(parent: int, stream: Stream) -> int:
 
     wait_until(found, timeout=30, interval=0.1, message="no child was running a rollout")
     return busy[0]
+
+
+class Probe(threading.Thread):
+    """Calls the API (enqueue, dequeue, a span batch) in a loop until stopped, as a runner
+    and an algorithm would while the database restarts; counts the answers by status."""
+
+    def __init__(self, url: str, key: str) -> None:
+        super().__init__(name="chaos-probe", daemon=True)
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request
+        self.client = httpx.Client(base_url=url + "/v1/agl", timeout=30,
+                                   headers={"Authorization": f"Bearer {key}"})
+        self.answers: Counter = Counter()
+        self.bad: list[str] = []  # a 500, or a 503 without Retry-After
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        calls = [("/queues/rollouts/enqueue", {"rollouts": [{"input": 1}]}),
+                 ("/queues/rollouts/dequeue", {"limit": 1}), ("/spans/batch", {"spans": []})]
+        with self.client:
+            while not self.halt.is_set():
+                for path, body in calls:
+                    try:
+                        answer = self.client.post(path, json=body)
+                    except httpx.HTTPError as error:  # the server itself: never expected
+                        self.answers[type(error).__name__] += 1
+                        self.bad.append(f"{path}: {error!r}")
+                        continue
+                    self.answers[answer.status_code] += 1
+                    if answer.status_code >= 500 and not (
+                            answer.status_code == 503 and answer.headers.get("Retry-After")):
+                        self.bad.append(f"{path}: {answer.status_code} {answer.text[:200]}")
+                self.halt.wait(0.2)
+
+    def stop(self) -> None:
+        self.halt.set()
+        self.join(timeout=60)
+
+
+@pytest.mark.parametrize("broker", ["rabbitmq"], indirect=True)
+def test_a_postgres_restart_mid_stream_loses_nothing_and_the_api_answers_503(
+    broker_url, sending_to, celery_workers, capsys
+):
+    """The rollout stream and the API on a throwaway Postgres of the test's own, restarted
+    with `pg_ctl stop -m immediate` (no checkpoint: crash recovery at start) mid-stream."""
+    with private_postgres_cluster(PG_PORT) as cluster:
+        url = cluster.url()
+        manage(url, "migrate", "--noinput", "-v0")
+        env = {**DEFAULTS, "DATABASE_URL": url}
+        server = Server(WEB_PORT, workers=1, threads=4, env={"DATABASE_URL": url}).start()
+        try:
+            with using_database(url):
+                _postgres_restart_chaos(cluster, server, broker_url, celery_workers, env, capsys)
+        finally:
+            server.stop()
+
+
+def _postgres_restart_chaos(cluster, server, broker_url, celery_workers, env, capsys) -> None:
+    project = store_services.project_create(name="chaos-pg")
+    probe_project = store_services.project_create(name="chaos-pg-probe")
+    key = store_services.api_key_create(project=probe_project, role="admin")[1]
+    celery_workers(queues=["rollouts"], broker_url=broker_url, concurrency=2, env=env,
+                   name="pg-rollouts")
+    celery_workers(queues=["control"], broker_url=broker_url, concurrency=1, env=env,
+                   name="pg-control")
+    celery_workers.beat(broker_url=broker_url, env=env)
+    stream = Stream(project)
+    stream.run_for(20)  # the pre-fault rate
+    probe = Probe(server.url, key)
+    probe.start()
+    began = time.time()
+    cluster.crash()  # pg_ctl stop -m immediate
+    stream.run_for(5)  # down: the stream's enqueues are refused, the probe's answered 503
+    cluster.start()  # crash recovery, then accepting connections
+    over = time.time()
+    stream.run_for(3)
+    probe.stop()
+    stream.run_for(27)
+    wait_until(stream.all_finished, timeout=400, interval=1,
+               message=f"{len(stream.ids) - stream.finished()} rollouts never finished")
+    by_status = Counter(Rollout.objects.filter(pk__in=stream.ids)
+                        .values_list("status", flat=True))
+    duplicated = Rollout.objects.filter(pk__in=stream.ids).annotate(
+        wins=Count("attempts", filter=Q(attempts__status="succeeded"))).filter(wins__gt=1)
+    seconds = recovery_seconds(project, began, over)
+    shown = "not within the run" if seconds is None else f"{seconds:.1f} s"
+    # Rollouts a worker held when Postgres went down: their reports met the outage.
+    cut = Rollout.objects.filter(pk__in=stream.ids, end_time__gte=_aware(began),
+                                 attempts__start_time__lt=_aware(began)).distinct()
+    cut_ends = [e.timestamp() - over for e in cut.values_list("end_time", flat=True)]
+    with capsys.disabled():
+        print(f"\nchaos, Postgres restart: {len(stream.ids)} rollouts {dict(by_status)}; "
+              f"lost 0, stuck 0, duplicated {duplicated.count()}; "
+              f"{stream.refused} enqueue ticks refused while it was down")
+        print(f"  Postgres stopped -m immediate for {over - began:.1f} s and started: the rate "
+              f"back to 90% {shown} after it was up; the {len(cut_ends)} rollout(s) a worker "
+              f"held at the stop finished {max(cut_ends, default=0):.1f} s after it was up "
+              f"(attempts {sorted(cut.values_list('attempts__status', flat=True))}); API "
+              f"answers during the restart {dict(probe.answers)}")
+    assert not probe.bad, probe.bad[:5]
+    assert by_status == {"succeeded": len(stream.ids)}
+    assert not duplicated.exists()
+
+
+STEPS, KILLED_STEP = 8, 4
+
+
+@BOTH_BROKERS
+def test_a_training_worker_killed_mid_step_is_replaced_and_the_job_goes_on(
+    broker_url, sending_to, celery_workers, checkpoint_dir, capsys  # noqa: F811
+):
+    """kill -9 of the training worker while a step trains (the default 120 s lease, no
+    shortened heartbeat) and a new one started under its node name, as a supervisor does."""
+    env = {**DEFAULTS, "CHECKPOINT_DIR": str(checkpoint_dir)}
+    celery_workers(queues=["rollouts"], broker_url=broker_url, concurrency=2, env=env,
+                   name="train-rollouts")
+    trainer = celery_workers(queues=["training"], broker_url=broker_url, concurrency=1,
+                             env=env, name="train-training")
+    celery_workers(queues=["control"], broker_url=broker_url, concurrency=1, env=env,
+                   name="train-control")
+    celery_workers.beat(broker_url=broker_url, env=env)
+    job = make_job(steps=STEPS, algorithm="tests.trainer_algorithms.SlowGRPO",
+                   update_seconds=2)
+    job = trainer_services.job_start(job_id=job.pk)
+
+    def training() -> bool:
+        step = job.steps.filter(n=KILLED_STEP).first()
+        return step is not None and step.status == StepStatus.TRAINING
+    wait_until(training, timeout=300, interval=0.1,
+               message=f"step {KILLED_STEP} never trained: {list(job.steps.values('n', 'status'))}")
+    time.sleep(0.5)  # inside its 2 s update
+    killed = time.time()
+    trainer.kill()
+    celery_workers(queues=["training"], broker_url=broker_url, concurrency=1, env=env,
+                   name="train-training")
+    started = time.time()
+
+    def finished() -> bool:
+        job.refresh_from_db()
+        return job.status in (JobStatus.SUCCEEDED, JobStatus.FAILED)
+    wait_until(finished, timeout=400, interval=0.5,
+               message=f"job did not finish: {list(job.steps.values('n', 'status'))}")
+
+    steps = list(job.steps.order_by("n"))
+    done = [_epoch(s.timings["done"]) for s in steps]
+    before = done[:KILLED_STEP]
+    period = (before[-1] - before[0]) / (len(before) - 1)
+    back = rate_back(done, killed, killed, before=before[-1] - before[0] + period,
+                     window=2 * period)
+    versions = sorted(ResourceVersion.objects.filter(
+        resource_set__resources_id=job.resources_id).values_list("version", flat=True))
+    rollouts = Rollout.objects.filter(project=job.project)
+    by_status = Counter(rollouts.values_list("status", flat=True))
+    duplicated = rollouts.annotate(
+        wins=Count("attempts", filter=Q(attempts__status="succeeded"))).filter(wins__gt=1)
+    with capsys.disabled():
+        print(f"\nchaos, training worker kill -9 mid-step ({broker_url.split(':')[0]}): job "
+              f"{job.status}, {len(steps)} steps, step {KILLED_STEP} tried "
+              f"{steps[KILLED_STEP].attempts} times; checkpoint versions {versions}; rollouts "
+              f"{dict(by_status)}, duplicated {duplicated.count()}")
+        shown = "not within the run" if back is None else f"{back:.1f} s"
+        print(f"  step {KILLED_STEP} redone {done[KILLED_STEP] - killed:.1f} s after the kill "
+              f"(the new worker was ready {started - killed:.1f} s after it; a step took "
+              f"{period:.1f} s before); the step rate back to 90% {shown} after the kill")
+    assert job.status == JobStatus.SUCCEEDED, job.error
+    assert steps[KILLED_STEP].attempts == 2
+    assert [s.status for s in steps] == ["done"] * (STEPS + 1)
+    # Gapless, one checkpoint per training step: 1 (the initial one), then 2..STEPS+1.
+    assert versions == list(range(1, STEPS + 2))
+    assert [s.produced_version for s in steps[:STEPS]] == list(range(2, STEPS + 2))
+    assert set(by_status) <= {"succeeded", "cancelled"} and not duplicated.exists()
+
+
+def _epoch(iso: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(iso).timestamp()

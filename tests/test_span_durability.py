@@ -10,14 +10,6 @@ WAL writer is slowed to its maximum (10 s), so the completion's own flush is wha
 
 from __future__ import annotations
 
-import glob
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
-
 import httpx
 import psycopg
 import pytest
@@ -25,8 +17,9 @@ from django.db import transaction
 from django.test.utils import CaptureQueriesContext
 
 from store import services
-from tests.api.conftest import ROOT, start_server
+from tests.api.conftest import start_server
 from tests.conftest import claim, enqueue
+from tests.private_postgres import manage, private_postgres_cluster
 
 ASYNC = "SET LOCAL synchronous_commit = off"
 
@@ -55,79 +48,20 @@ def test_a_span_only_transaction_commits_asynchronously_unless_inside_another(pr
     assert not any("synchronous_commit" in q["sql"] for q in finish.captured_queries)
 
 
-def _bin(name: str) -> str | None:
-    found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
-    return found[-1] if found else shutil.which(name)
-
-
-class PrivatePostgres:
-    """A Postgres cluster of its own, run as the `postgres` user (initdb refuses root)."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.dir = Path(tempfile.mkdtemp(prefix="lightning-pg-"))
-        shutil.chown(self.dir, "postgres", "postgres")
-        self.data = self.dir / "data"
-
-    def _as_postgres(self, *cmd: str) -> None:
-        subprocess.run(["runuser", "-u", "postgres", "--", *cmd], check=True,
-                       capture_output=True, timeout=120)
-
-    def init(self) -> None:
-        self._as_postgres(_bin("initdb"), "-D", str(self.data), "-A", "trust", "-U",
-                          "postgres", "--no-sync")
-
-    def start(self) -> None:
-        options = (f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 "
-                   "-c fsync=on -c synchronous_commit=on -c wal_writer_delay=10000ms "
-                   "-c autovacuum=off")
-        self._as_postgres(_bin("pg_ctl"), "-D", str(self.data), "-o", options, "-w",
-                          "-l", str(self.dir / "log"), "start")
-
-    def crash(self) -> None:
-        self._as_postgres(_bin("pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w",
-                          "stop")
-
-    def remove(self) -> None:
-        try:
-            self.crash()
-        except subprocess.CalledProcessError:
-            pass
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-    def url(self, database: str = "lightning") -> str:
-        return f"postgres://postgres@127.0.0.1:{self.port}/{database}"
-
-
 @pytest.fixture
 def private_postgres():
-    if os.geteuid() != 0 or not _bin("initdb") or not shutil.which("runuser"):
-        pytest.skip("needs root, runuser and Postgres' initdb to run a throwaway cluster")
-    cluster = PrivatePostgres(18472)
-    try:
-        cluster.init()
-        cluster.start()
-        with psycopg.connect(cluster.url("postgres"), autocommit=True) as conn:
-            conn.execute("CREATE DATABASE lightning")
+    # The WAL writer slowed to its maximum, so the completion's own flush is what saves spans.
+    with private_postgres_cluster(18472, options="-c fsync=on -c synchronous_commit=on "
+                                  "-c wal_writer_delay=10000ms -c autovacuum=off") as cluster:
         yield cluster
-    finally:
-        cluster.remove()
-
-
-def _manage(database_url: str, *args: str) -> str:
-    env = {**os.environ, "DATABASE_URL": database_url, "DJANGO_SECRET_KEY": "test-suite-only",
-           "DJANGO_SETTINGS_MODULE": "lightning_site.settings"}
-    done = subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300, check=True)
-    return done.stdout
 
 
 @pytest.mark.slow
 def test_spans_of_a_completed_attempt_survive_a_crash_right_after_the_answer(
         private_postgres):
     url = private_postgres.url()
-    _manage(url, "migrate", "--noinput", "-v0")
-    out = _manage(url, "project_create", "durable", "--key", "algorithm")
+    manage(url, "migrate", "--noinput", "-v0")
+    out = manage(url, "project_create", "durable", "--key", "algorithm")
     key = out.strip().rsplit(" ", 1)[-1]
     server = start_server(workers=1, threads=2, env={"DATABASE_URL": url})
     try:

@@ -19,3 +19,11 @@ class BlockOnceGRPO(GRPO):
             marker.write_text(str(os.getpid()))
             time.sleep(600)
         return super().update(**kwargs)
+
+
+class SlowGRPO(GRPO):
+    """Each update takes `update_seconds` longer (a training step with time to be killed in)."""
+
+    def update(self, **kwargs):
+        time.sleep(float(self.config.get("update_seconds", 1.0)))
+        return super().update(**kwargs)
