@@ -91,15 +91,15 @@ def recovery_seconds(project, began: float, fault_at: float,
     its rate in the 15 s before the fault `began`."""
     ends = [t.timestamp() for t in Rollout.objects.filter(
         project=project, end_time__isnull=False).values_list("end_time", flat=True)]
-    return rate_back(ends, began, fault_at, before=15, window=window)
+    rate = len([t for t in ends if began - 15 <= t < began]) / 15
+    return rate_back(ends, fault_at, rate=rate, window=window)
 
 
-def rate_back(ends: list[float], began: float, fault_at: float, *, before: float,
+def rate_back(ends: list[float], fault_at: float, *, rate: float,
               window: float) -> float | None:
     """Seconds from `fault_at` until the rate of events at `ends` (over `window` s) is back to
-    90% of its rate in the `before` seconds before the fault `began`."""
+    90% of `rate` (events per second before the fault)."""
     ends = sorted(ends)
-    rate = len([t for t in ends if began - before <= t < began]) / before
     t = fault_at
     while t < (ends[-1] if ends else fault_at):
         if sum(1 for e in ends if t <= e < t + window) / window >= 0.9 * rate:
@@ -229,41 +229,51 @@ class Probe(threading.Thread):
 
 
 @pytest.mark.parametrize("broker", ["rabbitmq"], indirect=True)
-def test_a_postgres_restart_mid_stream_loses_nothing_and_the_api_answers_503(
-    broker_url, sending_to, celery_workers, capsys
+def test_a_postgres_restart_loses_nothing_and_the_api_answers_503(
+    broker_url, sending_to, celery_workers, checkpoint_dir, capsys  # noqa: F811
 ):
-    """The rollout stream and the API on a throwaway Postgres of the test's own, restarted
-    with `pg_ctl stop -m immediate` (no checkpoint: crash recovery at start) mid-stream."""
+    """The rollout stream, the API and then a training job on a throwaway Postgres of the
+    test's own, restarted with `pg_ctl stop -m immediate` (no checkpoint: crash recovery at
+    start) mid-stream, and again while a training step trains."""
     with private_postgres_cluster(PG_PORT) as cluster:
         url = cluster.url()
         manage(url, "migrate", "--noinput", "-v0")
-        env = {**DEFAULTS, "DATABASE_URL": url}
+        env = {**DEFAULTS, "DATABASE_URL": url, "CHECKPOINT_DIR": str(checkpoint_dir)}
         server = Server(WEB_PORT, workers=1, threads=4, env={"DATABASE_URL": url}).start()
         try:
             with using_database(url):
-                _postgres_restart_chaos(cluster, server, broker_url, celery_workers, env, capsys)
+                for queues in (["rollouts"], ["training"], ["control"]):
+                    celery_workers(queues=queues, broker_url=broker_url, env=env,
+                                   concurrency=2 if queues == ["rollouts"] else 1,
+                                   name=f"pg-{queues[0]}")
+                celery_workers.beat(broker_url=broker_url, env=env)
+                _postgres_restart_mid_stream(cluster, server, capsys)
+                _postgres_restart_mid_step(cluster, capsys)
         finally:
             server.stop()
 
 
-def _postgres_restart_chaos(cluster, server, broker_url, celery_workers, env, capsys) -> None:
+def _restart(cluster, seconds: float, while_down=time.sleep) -> tuple[float, float]:
+    """Postgres stopped -m immediate, `while_down(seconds)`, started (crash recovery, then
+    accepting connections): (when it stopped, when it was up)."""
+    began = time.time()
+    cluster.crash()
+    while_down(seconds)
+    cluster.start()
+    connection.close()  # this process's connection died with the server
+    return began, time.time()
+
+
+def _postgres_restart_mid_stream(cluster, server, capsys) -> None:
     project = store_services.project_create(name="chaos-pg")
     probe_project = store_services.project_create(name="chaos-pg-probe")
     key = store_services.api_key_create(project=probe_project, role="admin")[1]
-    celery_workers(queues=["rollouts"], broker_url=broker_url, concurrency=2, env=env,
-                   name="pg-rollouts")
-    celery_workers(queues=["control"], broker_url=broker_url, concurrency=1, env=env,
-                   name="pg-control")
-    celery_workers.beat(broker_url=broker_url, env=env)
     stream = Stream(project)
     stream.run_for(20)  # the pre-fault rate
     probe = Probe(server.url, key)
     probe.start()
-    began = time.time()
-    cluster.crash()  # pg_ctl stop -m immediate
-    stream.run_for(5)  # down: the stream's enqueues are refused, the probe's answered 503
-    cluster.start()  # crash recovery, then accepting connections
-    over = time.time()
+    # Down: the stream's enqueues are refused, the probe's answered 503.
+    began, over = _restart(cluster, 5, stream.run_for)
     stream.run_for(3)
     probe.stop()
     stream.run_for(27)
@@ -293,15 +303,84 @@ def _postgres_restart_chaos(cluster, server, broker_url, celery_workers, env, ca
     assert not duplicated.exists()
 
 
-STEPS, KILLED_STEP = 8, 4
+STEPS = 9
+CHILD_KILLED, WORKER_KILLED = 3, 6  # the steps whose training is cut by each fault
+
+
+def _start_job(steps: int):
+    job = make_job(steps=steps, algorithm="tests.trainer_algorithms.SlowGRPO",
+                   update_seconds=2)
+    return trainer_services.job_start(job_id=job.pk)
+
+
+def _in_training(job, n: int):
+    """Step `n` once it trains (half a second into its 2 s update)."""
+    def check() -> bool:
+        step = job.steps.filter(n=n).first()
+        return step is not None and step.status == StepStatus.TRAINING
+    wait_until(check, timeout=300, interval=0.1,
+               message=f"step {n} never trained: {list(job.steps.values('n', 'status'))}")
+    time.sleep(0.5)
+    return job.steps.get(n=n)
+
+
+def _job_figures(job, label: str, faults: list[tuple[str, int, float]], capsys) -> list:
+    """Waits for the job to finish, prints per fault (name, step cut, when) how long its step
+    took to be redone and the step rate to come back, checks what must hold whatever the
+    timing (nothing lost or duplicated, checkpoints gapless and one per step); its steps."""
+    def finished() -> bool:
+        job.refresh_from_db()
+        return job.status in (JobStatus.SUCCEEDED, JobStatus.FAILED)
+    wait_until(finished, timeout=400, interval=0.5,
+               message=f"job did not finish: {list(job.steps.values('n', 'status'))}")
+    steps = list(job.steps.order_by("n"))
+    done = [_epoch(s.timings["done"]) for s in steps]
+    first_cut = min(n for _, n, _ in faults)
+    period = (done[first_cut - 1] - done[0]) / (first_cut - 1)  # before any fault
+    versions = sorted(ResourceVersion.objects.filter(
+        resource_set__resources_id=job.resources_id).values_list("version", flat=True))
+    rollouts = Rollout.objects.filter(project=job.project)
+    by_status = Counter(rollouts.values_list("status", flat=True))
+    duplicated = rollouts.annotate(
+        wins=Count("attempts", filter=Q(attempts__status="succeeded"))).filter(wins__gt=1)
+    with capsys.disabled():
+        print(f"\nchaos, training ({label}): job {job.status}, {len(steps)} steps, tries "
+              f"{[s.attempts for s in steps]}; checkpoint versions {versions}; rollouts "
+              f"{dict(by_status)}, duplicated {duplicated.count()}; a step took "
+              f"{period:.1f} s before the faults")
+        for name, n, at in faults:
+            back = rate_back(done, at, rate=1 / period, window=2 * period)
+            shown = "not within the run" if back is None else f"{back:.1f} s"
+            print(f"  {name}, step {n}: done {done[n] - at:.1f} s after; the step rate back "
+                  f"to 90% {shown} after")
+    assert job.status == JobStatus.SUCCEEDED, job.error
+    assert [s.status for s in steps] == ["done"] * (len(steps))
+    # Gapless, one checkpoint per training step: 1 (the initial one), then one per step.
+    training_steps = job.total_steps
+    assert versions == list(range(1, training_steps + 2))
+    assert [s.produced_version for s in steps[:training_steps]] == list(
+        range(2, training_steps + 2))
+    assert set(by_status) <= {"succeeded", "cancelled"} and not duplicated.exists()
+    return steps
+
+
+def _postgres_restart_mid_step(cluster, capsys) -> None:
+    job = _start_job(steps=6)
+    _in_training(job, 3)
+    began, over = _restart(cluster, 5)
+    _job_figures(job, "Postgres restart", [
+        (f"Postgres stopped -m immediate for {over - began:.1f} s mid-step and started "
+         "(from when it was up)", 3, over)], capsys)
 
 
 @BOTH_BROKERS
 def test_a_training_worker_killed_mid_step_is_replaced_and_the_job_goes_on(
     broker_url, sending_to, celery_workers, checkpoint_dir, capsys  # noqa: F811
 ):
-    """kill -9 of the training worker while a step trains (the default 120 s lease, no
-    shortened heartbeat) and a new one started under its node name, as a supervisor does."""
+    """A training job at default settings (the 120 s step lease, the 5 s heartbeat), two
+    faults while a step trains: kill -9 of the pool process training it (Celery's worker
+    forks another), later kill -9 of the whole training worker and a new one started under
+    its node name, as a supervisor does."""
     env = {**DEFAULTS, "CHECKPOINT_DIR": str(checkpoint_dir)}
     celery_workers(queues=["rollouts"], broker_url=broker_url, concurrency=2, env=env,
                    name="train-rollouts")
@@ -310,56 +389,22 @@ def test_a_training_worker_killed_mid_step_is_replaced_and_the_job_goes_on(
     celery_workers(queues=["control"], broker_url=broker_url, concurrency=1, env=env,
                    name="train-control")
     celery_workers.beat(broker_url=broker_url, env=env)
-    job = make_job(steps=STEPS, algorithm="tests.trainer_algorithms.SlowGRPO",
-                   update_seconds=2)
-    job = trainer_services.job_start(job_id=job.pk)
-
-    def training() -> bool:
-        step = job.steps.filter(n=KILLED_STEP).first()
-        return step is not None and step.status == StepStatus.TRAINING
-    wait_until(training, timeout=300, interval=0.1,
-               message=f"step {KILLED_STEP} never trained: {list(job.steps.values('n', 'status'))}")
-    time.sleep(0.5)  # inside its 2 s update
-    killed = time.time()
+    job = _start_job(steps=STEPS)
+    step = _in_training(job, CHILD_KILLED)
+    child_killed = time.time()
+    os.kill(int(step.worker.rsplit(":", 1)[1]), signal.SIGKILL)  # "celery:<node>:<pid>"
+    _in_training(job, WORKER_KILLED)
+    worker_killed = time.time()
     trainer.kill()
     celery_workers(queues=["training"], broker_url=broker_url, concurrency=1, env=env,
                    name="train-training")
-    started = time.time()
-
-    def finished() -> bool:
-        job.refresh_from_db()
-        return job.status in (JobStatus.SUCCEEDED, JobStatus.FAILED)
-    wait_until(finished, timeout=400, interval=0.5,
-               message=f"job did not finish: {list(job.steps.values('n', 'status'))}")
-
-    steps = list(job.steps.order_by("n"))
-    done = [_epoch(s.timings["done"]) for s in steps]
-    before = done[:KILLED_STEP]
-    period = (before[-1] - before[0]) / (len(before) - 1)
-    back = rate_back(done, killed, killed, before=before[-1] - before[0] + period,
-                     window=2 * period)
-    versions = sorted(ResourceVersion.objects.filter(
-        resource_set__resources_id=job.resources_id).values_list("version", flat=True))
-    rollouts = Rollout.objects.filter(project=job.project)
-    by_status = Counter(rollouts.values_list("status", flat=True))
-    duplicated = rollouts.annotate(
-        wins=Count("attempts", filter=Q(attempts__status="succeeded"))).filter(wins__gt=1)
-    with capsys.disabled():
-        print(f"\nchaos, training worker kill -9 mid-step ({broker_url.split(':')[0]}): job "
-              f"{job.status}, {len(steps)} steps, step {KILLED_STEP} tried "
-              f"{steps[KILLED_STEP].attempts} times; checkpoint versions {versions}; rollouts "
-              f"{dict(by_status)}, duplicated {duplicated.count()}")
-        shown = "not within the run" if back is None else f"{back:.1f} s"
-        print(f"  step {KILLED_STEP} redone {done[KILLED_STEP] - killed:.1f} s after the kill "
-              f"(the new worker was ready {started - killed:.1f} s after it; a step took "
-              f"{period:.1f} s before); the step rate back to 90% {shown} after the kill")
-    assert job.status == JobStatus.SUCCEEDED, job.error
-    assert steps[KILLED_STEP].attempts == 2
-    assert [s.status for s in steps] == ["done"] * (STEPS + 1)
-    # Gapless, one checkpoint per training step: 1 (the initial one), then 2..STEPS+1.
-    assert versions == list(range(1, STEPS + 2))
-    assert [s.produced_version for s in steps[:STEPS]] == list(range(2, STEPS + 2))
-    assert set(by_status) <= {"succeeded", "cancelled"} and not duplicated.exists()
+    ready = time.time() - worker_killed
+    steps = _job_figures(job, broker_url.split(":")[0], [
+        ("kill -9 of the pool process training (from the kill)", CHILD_KILLED, child_killed),
+        (f"kill -9 of the training worker, a new one started ({ready:.1f} s to ready; from "
+         "the kill)", WORKER_KILLED, worker_killed)], capsys)
+    assert [s.attempts for s in steps] == [
+        2 if s.n in (CHILD_KILLED, WORKER_KILLED) else 1 for s in steps]
 
 
 def _epoch(iso: str) -> float:

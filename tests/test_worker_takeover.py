@@ -7,10 +7,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 from lightning_site import control
+from lightning_site import processes as control_processes
 from runners import services
 from store import services as store_services
 from store.models import Rollout
@@ -80,3 +82,32 @@ def test_a_restarted_training_worker_takes_its_dead_processes_steps_back(
     assert counts["training_steps"] == 1 and counts["rollouts"] == 0
     assert sent.train_steps == [step.pk]  # sent again now, not after the lease
     assert trainer_services.step_claim(step_id=step.pk, worker="celery:other@h:1") is not None
+
+
+def _zombie() -> int:
+    """A child that has exited and is not reaped yet, as a killed worker's pool processes are
+    until whoever inherits them reaps them."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    for _ in range(500):
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            if stat.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                return pid
+        time.sleep(0.01)
+    raise AssertionError("the child never became a zombie")
+
+
+def test_a_zombie_is_dead_and_its_work_is_taken_over(project, monkeypatch):
+    """A worker killed with -9 with its pool leaves zombies for a while (the init of this
+    machine reaps them 1.4 s later); a worker restarted meanwhile took them for alive and
+    left a training step to its 120 s lease (tests/test_chaos.py, Redis)."""
+    monkeypatch.setattr(services, "dispatches_send", lambda dispatches: None)
+    zombie = _zombie()
+    try:
+        assert not control_processes.process_alive(zombie)
+        assert control_processes.process_alive(os.getpid())
+        held = _held_by(project, f"celery:node@h:{zombie}")
+        assert services.celery_worker_take_over(name="node@h", pid=os.getpid()) == [held.pk]
+    finally:
+        os.waitpid(zombie, 0)
