@@ -162,7 +162,7 @@ def test_the_in_process_gateway_finishes_through_a_lost_database_connection(proj
     Here the gateway's own connection is killed by the server before the finish."""
     from django.db import connection, connections
 
-    from runners.retry import RetryPolicy
+    from lightning_site.retry import RetryPolicy
 
     services.rollout_enqueue(project=project, spec=RolloutSpec(input={"i": 1}))
     gateway = LocalGateway(project, retry=RetryPolicy(retries=3, backoff=0.01))

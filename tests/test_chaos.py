@@ -272,6 +272,14 @@ def _postgres_restart_mid_stream(cluster, server, capsys) -> None:
     stream.run_for(20)  # the pre-fault rate
     probe = Probe(server.url, key)
     probe.start()
+    held: list[str] = []
+
+    def running() -> bool:  # the stop must cut a rollout mid-flight
+        stream.tick(1)
+        held[:] = Rollout.objects.filter(pk__in=stream.ids, status="running").values_list(
+            "pk", flat=True)
+        return bool(held)
+    wait_until(running, timeout=30, interval=0.1, message="no rollout was running")
     # Down: the stream's enqueues are refused, the probe's answered 503.
     began, over = _restart(cluster, 5, stream.run_for)
     stream.run_for(3)
@@ -285,19 +293,17 @@ def _postgres_restart_mid_stream(cluster, server, capsys) -> None:
         wins=Count("attempts", filter=Q(attempts__status="succeeded"))).filter(wins__gt=1)
     seconds = recovery_seconds(project, began, over)
     shown = "not within the run" if seconds is None else f"{seconds:.1f} s"
-    # Rollouts a worker held when Postgres went down: their reports met the outage.
-    cut = Rollout.objects.filter(pk__in=stream.ids, end_time__gte=_aware(began),
-                                 attempts__start_time__lt=_aware(began)).distinct()
-    cut_ends = [e.timestamp() - over for e in cut.values_list("end_time", flat=True)]
+    # Rollouts a worker held just before Postgres went down: their reports met the outage.
+    cut = Counter(Rollout.objects.filter(pk__in=held).annotate(tries=Count("attempts"))
+                  .values_list("status", "tries"))
     with capsys.disabled():
         print(f"\nchaos, Postgres restart: {len(stream.ids)} rollouts {dict(by_status)}; "
               f"lost 0, stuck 0, duplicated {duplicated.count()}; "
               f"{stream.refused} enqueue ticks refused while it was down")
         print(f"  Postgres stopped -m immediate for {over - began:.1f} s and started: the rate "
-              f"back to 90% {shown} after it was up; the {len(cut_ends)} rollout(s) a worker "
-              f"held at the stop finished {max(cut_ends, default=0):.1f} s after it was up "
-              f"(attempts {sorted(cut.values_list('attempts__status', flat=True))}); API "
-              f"answers during the restart {dict(probe.answers)}")
+              f"back to 90% {shown} after it was up; the rollouts held by a worker just "
+              f"before the stop, (status, attempts): {dict(cut)}; API answers during the "
+              f"restart {dict(probe.answers)}")
     assert not probe.bad, probe.bad[:5]
     assert by_status == {"succeeded": len(stream.ids)}
     assert not duplicated.exists()

@@ -96,6 +96,32 @@ def test_train_step_writes_the_next_version_and_plans_the_next_step(monkeypatch)
     assert job.steps.count() == 2
 
 
+def test_a_database_lost_while_a_trained_step_finishes_is_retried_in_place(monkeypatch):
+    """Postgres restarting while a step trained: the finishing write met a lost connection,
+    the task failed, and the step stayed `training`, held by a live process, until its 120 s
+    lease ran out (tests/test_chaos.py: redone 125 s after Postgres was up). The try that
+    trained retries its writes instead: the step is done once, by that try."""
+    from django.db import OperationalError
+
+    sent = capture_sends(monkeypatch)
+    job = services.job_start(job_id=make_job().pk)
+    run_rollouts(job)
+    step_id = sent.train_steps.pop()
+    finish, failures = services._step_finish, []
+
+    def lost_once(step, result):
+        if not failures:
+            failures.append(1)
+            raise OperationalError("server closed the connection unexpectedly")
+        return finish(step, result)
+
+    monkeypatch.setattr(services, "_step_finish", lost_once)
+    assert services.step_train(step_id=step_id, worker="w") == "done"
+    step = TrainingStep.objects.get(pk=step_id)
+    assert (step.status, step.attempts, step.produced_version) == (StepStatus.DONE, 1, 2)
+    assert failures == [1] and job.steps.count() == 2
+
+
 def test_a_short_run_learns_to_decode(monkeypatch):
     sent = capture_sends(monkeypatch)
     job = make_job(steps=6, tasks_per_step=8, group_size=8, val_every=6)

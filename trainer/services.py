@@ -24,6 +24,8 @@ from django.db.models import Q
 from django.utils import timezone
 
 from lightning_site.processes import process_alive
+from lightning_site.retry import DEFAULT as DB_RETRY
+from lightning_site.retry import RetryPolicy
 from store import selectors as store_selectors
 from store import services as store_services
 from store.errors import IllegalTransition, InvalidInput
@@ -275,24 +277,34 @@ def train_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def step_train(*, step_id: int, worker: str | None = None) -> str:
+def step_train(*, step_id: int, worker: str | None = None,
+               retry: RetryPolicy = DB_RETRY) -> str:
     """The train-step task's body: claim, learn, write the next checkpoint, plan the next step.
-    Returns what happened: done, skipped (nothing to do), retry, failed or lost."""
+    Returns what happened: done, skipped (nothing to do), retry, failed or lost.
+
+    Once the step is claimed, this try holds it until its lease ends (a live process's hold
+    is not taken over), so every database call after the claim retries transient errors
+    (`retry`, lightning_site/retry.py: about 30 s of backoff): Postgres restarting while a
+    step trained must cost a few seconds, not the lease. A transient error in the claim
+    itself fails the task, which Celery retries (trainer/tasks.py): nothing is held then."""
     worker = worker or f"{socket.gethostname()}:{os.getpid()}"
     step = step_claim(step_id=step_id, worker=worker)
     if step is None:
         return "skipped"
-    failure = _rollouts_failure(step)
+    failure = retry.call(lambda: _rollouts_failure(step), what=f"step {step.pk}: rollouts")
     if failure is not None:
-        return step_record_failure(step_id=step.pk, attempt=step.attempts, error=failure,
-                                   rerun_rollouts=True)
+        return retry.call(lambda: step_record_failure(
+            step_id=step.pk, attempt=step.attempts, error=failure, rerun_rollouts=True),
+            what=f"step {step.pk}: recording a failure")
     try:
         with lease_kept(step, job_config(step.job)["step_lease_seconds"]):
             result = _train(step)
     except Exception:
-        return step_record_failure(step_id=step.pk, attempt=step.attempts,
-                                   error=traceback.format_exc(limit=8))
-    return _step_finish(step, result)
+        error = traceback.format_exc(limit=8)
+        return retry.call(lambda: step_record_failure(
+            step_id=step.pk, attempt=step.attempts, error=error),
+            what=f"step {step.pk}: recording a failure")
+    return retry.call(lambda: _step_finish(step, result), what=f"step {step.pk}: finishing")
 
 
 def _rollouts_failure(step: TrainingStep) -> str | None:

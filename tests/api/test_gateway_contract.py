@@ -13,12 +13,12 @@ import httpx
 import pytest
 from django.db import OperationalError
 
+from lightning_site.retry import RetryPolicy
 from runners import local_gateway
 from runners.client import StoreClient
 from runners.gateway import StoreGateway
 from runners.local_gateway import LocalGateway
 from runners.remote import HttpGateway
-from runners.retry import RetryPolicy
 from store import services
 from store.models import Attempt, Rollout
 from store.services import RolloutSpec

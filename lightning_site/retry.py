@@ -1,12 +1,15 @@
-"""One retry policy for talking to the store: the in-process gateway (database errors) and the
-HTTP client (network errors, 5xx/408/429 answers) back off the same way.
+"""One retry policy for talking to the store: the in-process gateway (database errors), the
+HTTP client (network errors, 5xx/408/429 answers) and the trainer's train-step task (its
+writes after a step has trained) back off the same way.
 
 Transient database errors are the ones a retry can cure: the connection was lost (Postgres
 restarting), a deadlock or serialization failure rolled our transaction back, a lock wait
 timed out. Every store write a runner makes is safe to repeat (claims are compare-and-swap,
 spans are keyed by (attempt, span_id), finishing is idempotent per final status), so a retry
 never duplicates work; without one, a single lost connection while finishing recorded a
-succeeded agent as failed (issue 13, finding 2).
+succeeded agent as failed (issue 13, finding 2). The trainer's finishing write is a
+compare-and-swap on the step's try, so repeating it is as safe; without a retry, Postgres
+restarting while a step trained left the step to its 120 s lease.
 """
 
 from __future__ import annotations
