@@ -274,12 +274,12 @@ def _postgres_restart_mid_stream(cluster, server, capsys) -> None:
     probe.start()
     held: list[str] = []
 
-    def running() -> bool:  # the stop must cut a rollout mid-flight
+    def running() -> bool:  # the stop must cut a rollout mid-flight (claimed, not finished)
         stream.tick(1)
-        held[:] = Rollout.objects.filter(pk__in=stream.ids, status="running").values_list(
-            "pk", flat=True)
+        held[:] = Rollout.objects.filter(
+            pk__in=stream.ids, status__in=["preparing", "running"]).values_list("pk", flat=True)
         return bool(held)
-    wait_until(running, timeout=30, interval=0.1, message="no rollout was running")
+    wait_until(running, timeout=30, interval=0.2, message="no rollout was running")
     # Down: the stream's enqueues are refused, the probe's answered 503.
     began, over = _restart(cluster, 5, stream.run_for)
     stream.run_for(3)
