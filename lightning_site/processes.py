@@ -31,5 +31,5 @@ def _zombie(pid: int) -> bool:
     except OSError:
         return False
     # "pid (comm) state ...": comm may hold spaces and parentheses, the state follows the last ")".
-    state = fields[fields.rfind(b")") + 1:].split()[:1]
+    state = fields[fields.rfind(b")") + 1 :].split()[:1]
     return state in ([b"Z"], [b"X"])

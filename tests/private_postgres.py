@@ -46,22 +46,31 @@ class PrivatePostgres:
         self.data = self.dir / "data"
 
     def _as_postgres(self, *cmd: str) -> None:
-        subprocess.run(["runuser", "-u", "postgres", "--", *cmd], check=True,
-                       capture_output=True, timeout=120)
+        subprocess.run(
+            ["runuser", "-u", "postgres", "--", *cmd], check=True, capture_output=True, timeout=120
+        )
 
     def init(self) -> None:
-        self._as_postgres(_bin("initdb"), "-D", str(self.data), "-A", "trust", "-U",
-                          "postgres", "--no-sync")
+        self._as_postgres(
+            _bin("initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync"
+        )
 
     def start(self) -> None:
-        options = (f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 "
-                   f"{self.options}")
-        self._as_postgres(_bin("pg_ctl"), "-D", str(self.data), "-o", options, "-w",
-                          "-l", str(self.dir / "log"), "start")
+        options = f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 {self.options}"
+        self._as_postgres(
+            _bin("pg_ctl"),
+            "-D",
+            str(self.data),
+            "-o",
+            options,
+            "-w",
+            "-l",
+            str(self.dir / "log"),
+            "start",
+        )
 
     def crash(self) -> None:
-        self._as_postgres(_bin("pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w",
-                          "stop")
+        self._as_postgres(_bin("pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop")
 
     def remove(self) -> None:
         try:
@@ -75,8 +84,9 @@ class PrivatePostgres:
 
 
 @contextmanager
-def private_postgres_cluster(port: int, *, database: str = "lightning",
-                             options: str = "") -> Iterator[PrivatePostgres]:
+def private_postgres_cluster(
+    port: int, *, database: str = "lightning", options: str = ""
+) -> Iterator[PrivatePostgres]:
     if os.geteuid() != 0 or not _bin("initdb") or not shutil.which("runuser"):
         pytest.skip("needs root, runuser and Postgres' initdb to run a throwaway cluster")
     cluster = PrivatePostgres(port, options)
@@ -92,10 +102,21 @@ def private_postgres_cluster(port: int, *, database: str = "lightning",
 
 def manage(database_url: str, *args: str) -> str:
     """`manage.py ARGS` in a subprocess on `database_url`; its standard output."""
-    env = {**os.environ, "DATABASE_URL": database_url, "DJANGO_SECRET_KEY": "test-suite-only",
-           "DJANGO_SETTINGS_MODULE": "lightning_site.settings"}
-    done = subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300, check=True)
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url,
+        "DJANGO_SECRET_KEY": "test-suite-only",
+        "DJANGO_SETTINGS_MODULE": "lightning_site.settings",
+    }
+    done = subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     return done.stdout
 
 
@@ -107,9 +128,13 @@ def using_database(url: str) -> Iterator[None]:
     parts = urlsplit(url)
     saved = dict(connection.settings_dict)
     connection.close()
-    connection.settings_dict.update(NAME=parts.path.lstrip("/"), HOST=parts.hostname,
-                                    PORT=str(parts.port or 5432), USER=parts.username or "",
-                                    PASSWORD=parts.password or "")
+    connection.settings_dict.update(
+        NAME=parts.path.lstrip("/"),
+        HOST=parts.hostname,
+        PORT=str(parts.port or 5432),
+        USER=parts.username or "",
+        PASSWORD=parts.password or "",
+    )
     try:
         yield
     finally:
