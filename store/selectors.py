@@ -9,13 +9,11 @@ from functools import reduce
 from operator import and_, or_
 from typing import Any, Generic, TypeVar
 
-from django.db import connection
 from django.db.models import Count, F, OrderBy, Q, QuerySet
 
 from store import waits, wakeups
 from store.errors import BadQuery, InvalidInput, NotFound
 from store.models import Attempt, Project, ResourceSet, ResourceVersion, Rollout, Span, Worker
-from store.services import _rows
 from store.statemachine import ROLLOUT_TERMINAL
 
 T = TypeVar("T")
@@ -299,20 +297,6 @@ def rollouts_wait(
         if waits.defer(wakeups.FINISHED, project.pk, waiter.token, deadline):
             return sorted(done, key=lambda r: order[r.pk])  # the server waits, then reruns
         waiter.sleep(remaining)
-
-
-def attempt_keys_known(*, project: Project, keys: set[tuple[str, str]]) -> set[tuple[str, str]]:
-    """Which (rollout id, attempt id) pairs name an attempt of this project."""
-    if not keys:
-        return set()
-    if connection.vendor == "postgresql":  # a hand-written SELECT: every OTLP export runs it
-        found = _rows.attempt_keys_of_project(project.pk, sorted({r for r, _ in keys}),
-                                              sorted({a for _, a in keys}))
-        return found & keys
-    rows = Attempt.objects.filter(
-        rollout_id__in={r for r, _ in keys}, attempt_id__in={a for _, a in keys}
-    ).values_list("rollout_id", "attempt_id", "rollout__project_id")
-    return {(r, a) for r, a, p in rows if p == project.pk and (r, a) in keys}
 
 
 def rollouts_first_error(*, rollout_ids: Sequence[str]) -> str | None:

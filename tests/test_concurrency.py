@@ -4,13 +4,14 @@ import contextlib
 import threading
 import time
 from collections import Counter
+from datetime import timedelta
 
 import pytest
 from django.db import connection, connections
 from django.utils import timezone
 
 from store import services, watchdog
-from store.models import Attempt, Rollout
+from store.models import Attempt, Rollout, Span
 from store.services import AttemptUpdate, RolloutSpec
 from tests.conftest import backdate
 
@@ -203,3 +204,37 @@ def test_a_named_claim_waits_for_a_briefly_locked_rollout():
     assert not errors and claims[0] is not None and claims[0][0].pk == rollout.pk
     # A duplicate message finds it claimed, without waiting.
     assert services.rollout_claim(project=project, rollout_id=rollout.pk, worker_id="w") is None
+
+
+def test_concurrent_exports_number_each_span_once_through_both_paths_without_deadlock():
+    """OTLP exports to one attempt from eight threads: most take the one-statement common
+    case (no attempt lock; the rollout's counter moved by its UPDATE), some the full path
+    (a thread keeps making the heartbeat due and the attempt unresponsive), one completes
+    the attempt midway. Every span is stored once with its own sequence id, no deadlock."""
+    project = services.project_create(name="race-spans")
+    services.rollout_enqueue_many(project=project, specs=[RolloutSpec(input=0)])
+    rollout, attempt = services.rollout_dequeue(project=project, worker_id="w")
+
+    def span(name: str) -> dict:
+        return {"rollout_id": rollout.pk, "attempt_id": attempt.attempt_id, "sequence_id": None,
+                "trace_id": "ab" * 16, "span_id": name.rjust(16, "0"), "name": name}
+
+    services.spans_export(project=project, spans=[span("0")])
+
+    def worker(i):
+        for n in range(25):
+            if i == 7 and n % 3 == 0:
+                Attempt.objects.filter(pk=attempt.pk, status="running").update(
+                    last_heartbeat_time=timezone.now() - timedelta(seconds=5),
+                    status="unresponsive" if n % 2 else "running")
+            if i == 0 and n == 12:
+                services.attempt_update(project=project, rollout_id=rollout.pk,
+                                        attempt_id=attempt.attempt_id, status="succeeded")
+            got = services.spans_export(project=project, spans=[span(f"{i}x{n}")])
+            assert got.unknown == 0
+
+    run_threads(8, worker)
+    seqs = list(Span.objects.filter(attempt=attempt).values_list("sequence_id", flat=True))
+    assert len(seqs) == 201 and sorted(seqs) == list(range(1, 202))
+    rollout.refresh_from_db()
+    assert rollout.next_span_sequence_id == 202

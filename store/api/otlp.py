@@ -33,7 +33,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from rest_framework.parsers import BaseParser
 from rest_framework.request import Request
 
-from store import selectors, services
+from store import services
 from store.api import limits
 from store.api.base import CANCELLED_HEADER, StoreView
 from store.api.errors import PayloadTooLarge, UnsupportedMediaType
@@ -309,22 +309,17 @@ def export_spans(project: Project, message: ExportTraceServiceRequest
     for span in spans:
         check_span_sizes(span)
     # A span naming an attempt this project does not have is rejected alone (an exporter
-    # drops a whole batch answered 404).
-    keys = {(s["rollout_id"], s["attempt_id"]) for s in spans}
-    with services.span_transaction():  # one transaction, one (asynchronous) commit
-        known = selectors.attempt_keys_known(project=project, keys=keys)
-        unknown = [s for s in spans if (s["rollout_id"], s["attempt_id"]) not in known]
-        spans = [s for s in spans if (s["rollout_id"], s["attempt_id"]) in known]
-        # Spans without agentlightning.span_sequence_id get their attempt's next ids.
-        cancelled = (services.spans_ingest(project=project, spans=spans).cancelled
-                     if spans else set())
+    # drops a whole batch answered 404). Spans without agentlightning.span_sequence_id get
+    # their attempt's next ids. One (asynchronous) commit; one statement in the common case.
+    exported = services.spans_export(project=project, spans=spans)
+    unknown, cancelled = exported.unknown, exported.cancelled
     reply = ExportTraceServiceResponse()
     if rejected or unknown:
-        reply.partial_success.rejected_spans = rejected + len(unknown)
+        reply.partial_success.rejected_spans = rejected + unknown
         reply.partial_success.error_message = "; ".join(
             text for count, text in [
                 (rejected, f"{rejected} spans lack {ROLLOUT_ID} or {ATTEMPT_ID}"),
-                (len(unknown), f"{len(unknown)} spans name an unknown attempt"),
+                (unknown, f"{unknown} spans name an unknown attempt"),
             ] if count
         )
     return reply, cancelled

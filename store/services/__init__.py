@@ -37,11 +37,13 @@ from store.services.rollouts import (
     rollout_update,
 )
 from store.services.spans import (
+    SpansExported,
     SpansIngested,
     span_add,
     span_next_sequence_id,
     span_transaction,
     spans_add,
+    spans_export,
     spans_ingest,
 )
 from store.services.workers import worker_update
@@ -76,8 +78,10 @@ __all__ = [
     "rollout_update",
     "span_add",
     "span_next_sequence_id",
+    "spans_export",
     "spans_ingest",
     "span_transaction",
+    "SpansExported",
     "SpansIngested",
     "spans_add",
     "worker_update",

@@ -117,6 +117,42 @@ def _attempts_then_rollouts_locked(where: str, params: list) -> list[Attempt]:
     return _instances(sql, params)
 
 
+def attempts_and_rollouts_locked(project_id: int, rollout_ids: list[str],
+                                 attempt_ids: list[str], async_commit: bool = False
+                                 ) -> list[Attempt]:
+    """`attempts_locked(..., lock_rollouts=True)` in one statement (the span ingest's): the
+    named attempts of the project locked FOR NO KEY UPDATE in id order (the CTE, fully read
+    before the outer lock: the sort under it consumes every row first), then their rollouts
+    in id order, each returned as it is once locked. The same lock order, one round trip less.
+    With `async_commit`, the statement also makes this transaction commit asynchronously
+    (`set_config(..., is_local)`, as `SET LOCAL` would; evaluated only when rows come back).
+    Attempts come back in id order."""
+    width = len(Attempt._meta.concrete_fields)
+    sync = ", set_config('synchronous_commit', 'off', true)" if async_commit else ""
+    sql = (
+        f"WITH a AS MATERIALIZED (SELECT {_columns(Attempt, 'a')} FROM store_attempt a "
+        "JOIN store_rollout r ON r.id = a.rollout_id WHERE a.rollout_id = ANY(%s) "
+        "AND a.attempt_id = ANY(%s) AND r.project_id + 0 = %s ORDER BY a.id "
+        f"FOR NO KEY UPDATE OF a) SELECT a.*, {_columns(Rollout, 'r')}{sync} FROM a "
+        "JOIN store_rollout r ON r.id = a.rollout_id ORDER BY r.id, a.id FOR NO KEY UPDATE OF r"
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [rollout_ids, attempt_ids, project_id])
+        rows = cursor.fetchall()
+    rollouts: dict[str, Rollout] = {}
+    attempts = []
+    for row in rows:
+        attempt = row_instance(Attempt, list(row[:width]))
+        rollout = rollouts.get(attempt.rollout_id)
+        if rollout is None:
+            rollout = rollouts[attempt.rollout_id] = row_instance(
+                Rollout, list(row[width:width + len(Rollout._meta.concrete_fields)]))
+        attempt._state.fields_cache["rollout"] = rollout
+        attempts.append(attempt)
+    attempts.sort(key=lambda a: a.pk)
+    return attempts
+
+
 def rollouts_locked(project_id: int, rollout_ids: list[str]) -> dict[str, Rollout]:
     """The project's rollouts locked FOR NO KEY UPDATE in id order, as they are once locked."""
     sql = (
@@ -127,17 +163,6 @@ def rollouts_locked(project_id: int, rollout_ids: list[str]) -> dict[str, Rollou
         cursor.execute(sql, [rollout_ids, project_id])
         rows = cursor.fetchall()
     return {r.pk: r for r in (row_instance(Rollout, list(row)) for row in rows)}
-
-
-def attempt_keys_of_project(project_id: int, rollout_ids: list[str],
-                            attempt_ids: list[str]) -> set[tuple[str, str]]:
-    """Which of these (rollout id, attempt id) combinations exist in the project (unlocked)."""
-    sql = ("SELECT a.rollout_id, a.attempt_id FROM store_attempt a "
-           "JOIN store_rollout r ON r.id = a.rollout_id "
-           "WHERE a.rollout_id = ANY(%s) AND a.attempt_id = ANY(%s) AND r.project_id + 0 = %s")
-    with connection.cursor() as cursor:
-        cursor.execute(sql, [rollout_ids, attempt_ids, project_id])
-        return {(r, a) for r, a in cursor.fetchall()}
 
 
 def api_key_live(prefix: str) -> ApiKey | None:

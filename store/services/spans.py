@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 import threading
 from collections.abc import Iterator, Sequence
@@ -11,7 +13,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import DataError, connection, transaction
-from django.db.models import F
+from django.db.models import CharField, F, JSONField
 from django.db.models.base import ModelState
 from django.utils import timezone
 from psycopg import errors as pg_errors
@@ -20,7 +22,8 @@ from store.errors import InvalidInput, NotFound, StoreError
 from store.models import Attempt, Project, Rollout, Span
 from store.services._bulk import Write, insert_new
 from store.services._common import attempt_deadline, set_attempt_status
-from store.services._rows import attempts_locked
+from store.services._copy import COPY_THRESHOLD
+from store.services._rows import attempts_and_rollouts_locked
 from store.statemachine import AttemptStatus, RolloutConfig, RolloutStatus
 from store.text import find_bad_text
 
@@ -60,14 +63,53 @@ def spans_ingest(
     """`spans_add`, for the API: a span whose `sequence_id` is None gets its attempt's next
     id (reserved in the same transaction), and the answer says which rollouts are cancelled.
 
-    On Postgres a small batch is two statements and a commit: lock the attempts (with their
-    rollouts' state), then one statement that writes the attempts (sequence ids, heartbeat)
-    and inserts the spans. A stored span is skipped, not an error: identity is (attempt,
-    span_id), so repeating a post is harmless."""
+    On Postgres a small batch is two statements and a commit: lock the attempts and their
+    rollouts, then one statement that writes the attempts (heartbeat), the rollouts (sequence
+    ids, preparing -> running) and inserts the spans. A stored span is skipped, not an error:
+    identity is (attempt, span_id), so repeating a post is harmless."""
     for index, span in enumerate(spans):
         _validate(span, index)
+    with _naming_bad_text(spans):
+        return _ingest(project, spans, now or timezone.now())[0]
+
+
+@dataclass
+class SpansExported:
+    cancelled: set[str]  # ids of the spans' rollouts that are cancelled (tell the runner)
+    unknown: int  # spans naming an attempt the project does not have: not stored
+
+
+def spans_export(
+    *, project: Project, spans: Sequence[dict[str, Any]], now: datetime | None = None
+) -> SpansExported:
+    """`spans_ingest` for an OTLP export (store/api/otlp.py, the view and the ASGI front's
+    lean path): a span naming an attempt the project does not have is set aside and counted
+    (the others are stored), and no rows come back.
+
+    The common case, on Postgres outside any transaction: spans of one attempt that is not
+    preparing or unresponsive and whose heartbeat is not due (it had one within
+    HEARTBEAT_MIN_INTERVAL): nothing to write on the attempt, so one statement, in autocommit
+    and committing asynchronously, does it all (`_export_common`). Anything else, or when
+    that statement finds the attempt otherwise, takes the full path (`_ingest`), which
+    answers the same."""
+    for index, span in enumerate(spans):
+        _validate(span, index)
+    if not spans:
+        return SpansExported(set(), 0)
+    now = now or timezone.now()
+    with _naming_bad_text(spans):
+        if _common_case_possible(spans):
+            cancelled = _export_common(project, spans, now)
+            if cancelled is not None:
+                return SpansExported(cancelled, 0)
+        ingested, unknown = _ingest(project, spans, now, unknown_ok=True)
+        return SpansExported(ingested.cancelled, unknown)
+
+
+@contextmanager
+def _naming_bad_text(spans: Sequence[dict[str, Any]]) -> Iterator[None]:
     try:
-        return _ingest(project, spans, now or timezone.now())
+        yield
     except StoreError:
         raise
     except (DataError, pg_errors.DataError, UnicodeEncodeError, ValueError) as exc:
@@ -84,8 +126,9 @@ def spans_ingest(
 @contextmanager
 def span_transaction() -> Iterator[None]:
     """A transaction for work that only adds spans (and reads): it commits asynchronously
-    (`_commit_asynchronously`) when it is the outermost one. The OTLP export runs its check
-    of the spans' attempts and their insert in one."""
+    (`_commit_asynchronously`) when it is the outermost one. The setting travels with the
+    transaction's first locking read when there is one (`_claim_async_commit`), else it is
+    sent before the commit: either way the commit is asynchronous."""
     if connection.in_atomic_block:
         # Nested in a span transaction: no savepoint (two round trips); an error ends the
         # whole transaction, the outer one's to roll back. In another caller's: a savepoint.
@@ -93,20 +136,39 @@ def span_transaction() -> Iterator[None]:
             yield
         return
     with transaction.atomic():
-        _commit_asynchronously()
         _span_transaction.open = True
+        _span_transaction.async_pending = connection.vendor == "postgresql"
         try:
             yield
+            if _span_transaction.async_pending:
+                _commit_asynchronously()
         finally:
-            _span_transaction.open = False
+            _span_transaction.open = _span_transaction.async_pending = False
 
 
 _span_transaction = threading.local()
 
 
-def _ingest(project: Project, spans: Sequence[dict[str, Any]], now: datetime) -> SpansIngested:
+def _claim_async_commit() -> bool:
+    """True (once per span transaction) when the caller's next statement is to make the
+    outermost span transaction commit asynchronously (`set_config('synchronous_commit',
+    'off', true)`, the function form of `SET LOCAL`); the caller must then send it."""
+    if getattr(_span_transaction, "async_pending", False):
+        _span_transaction.async_pending = False
+        return True
+    return False
+
+
+def _ingest(project: Project, spans: Sequence[dict[str, Any]], now: datetime,
+            unknown_ok: bool = False) -> tuple[SpansIngested, int]:
+    """The full path; with `unknown_ok`, spans naming an attempt the project does not have
+    are left out (and counted) instead of refused."""
     with span_transaction():
-        attempts = _attempts_for(project, spans)
+        attempts, unknown = _attempts_for(project, spans, unknown_ok)
+        if unknown:
+            spans = [s for s in spans if (s["rollout_id"], s["attempt_id"]) in attempts]
+        if not spans:
+            return SpansIngested([], set()), len(unknown)
         counted = _assign_sequence_ids(spans, attempts)
         rows = [_row(span, attempts[(span["rollout_id"], span["attempt_id"])]) for span in spans]
         due = _heartbeats_due(list(attempts.values()), now)
@@ -119,16 +181,20 @@ def _ingest(project: Project, spans: Sequence[dict[str, Any]], now: datetime) ->
             # Records the watchdog's verdict on a revived attempt (store.watchdog_verdict).
             set_attempt_status(attempt, AttemptStatus.RUNNING, now)
             attempt.deadline = _deadline(attempt, now)
+        running = _rollouts_running([a for a in revived if a.rollout.latest_attempt_id == a.pk])
         fields = ["status", "last_heartbeat_time", "deadline"]
-        writes = [Write.set(sorted((a for a in due if a not in lost), key=lambda a: a.pk),
-                            fields),
+        by_pk = functools.partial(sorted, key=lambda row: row.pk)
+        writes = [Write.set(by_pk(a for a in due if a not in lost), fields),
                   Write.set(lost, [*fields, "metadata"]),
-                  Write.set(sorted(counted, key=lambda r: r.pk), ["next_span_sequence_id"])]
+                  Write.set(by_pk(r for r in counted if r not in running),
+                            ["next_span_sequence_id"]),
+                  Write.set(by_pk(running), ["next_span_sequence_id", "status",
+                                             "queue_deadline"])]
         inserted = {id(row) for row in insert_new(rows, ["attempt", "span_id"], also=writes)}
-        _rollouts_running([a for a in revived if a.rollout.latest_attempt_id == a.pk])
     cancelled = {a.rollout_id for a in attempts.values()
                  if a.rollout.status == RolloutStatus.CANCELLED}
-    return SpansIngested([row if id(row) in inserted else None for row in rows], cancelled)
+    rows = [row if id(row) in inserted else None for row in rows]
+    return SpansIngested(rows, cancelled), len(unknown)
 
 
 def _commit_asynchronously() -> None:
@@ -166,15 +232,18 @@ def _validate(span: Any, index: int) -> None:
             raise InvalidInput(f"spans[{index}].{name}", "must be a finite number or null")
 
 
-def _attempts_for(project: Project, spans: Sequence[dict]) -> dict[tuple[str, str], Attempt]:
+def _attempts_for(project: Project, spans: Sequence[dict], unknown_ok: bool = False
+                  ) -> tuple[dict[tuple[str, str], Attempt], list[tuple[str, str]]]:
     """The spans' attempts with their rollouts (one instance per rollout), locked in attempt
-    pk order, each rollout right after its first attempt (the one lock order): the rollout
-    holds the span sequence counter."""
+    pk order, then their rollouts (the one lock order): the rollout holds the span sequence
+    counter. Also the keys naming no attempt of the project, in order: refused (NotFound,
+    the first of them) unless `unknown_ok`."""
     keys = {(s["rollout_id"], s["attempt_id"]) for s in spans}
     rollout_ids = sorted({rid for rid, _ in keys})
     attempt_ids = sorted({aid for _, aid in keys})
     if connection.vendor == "postgresql":
-        rows = attempts_locked(project.pk, rollout_ids, attempt_ids, lock_rollouts=True)
+        rows = attempts_and_rollouts_locked(project.pk, rollout_ids, attempt_ids,
+                                            async_commit=_claim_async_commit())
     else:  # the embedded SQLite default: its transactions are serialized (BEGIN IMMEDIATE)
         rows = list(
             Attempt.objects.select_related("rollout")
@@ -186,12 +255,13 @@ def _attempts_for(project: Project, spans: Sequence[dict]) -> dict[tuple[str, st
             attempt.rollout = shared.setdefault(attempt.rollout_id, attempt.rollout)
     # Postgres filtered the project before locking; checked again for SQLite's rows.
     found = {(a.rollout_id, a.attempt_id): a for a in rows if a.rollout.project_id == project.pk}
-    for key in sorted(keys):
-        if key not in found:
-            if not any(rid == key[0] for rid, _ in found):
-                _check_rollout(project, key[0])
-            raise NotFound("attempt", f"{key[0]}/{key[1]}")
-    return {key: found[key] for key in keys}
+    unknown = [key for key in sorted(keys) if key not in found]
+    if unknown and not unknown_ok:
+        key = unknown[0]
+        if not any(rid == key[0] for rid, _ in found):
+            _check_rollout(project, key[0])
+        raise NotFound("attempt", f"{key[0]}/{key[1]}")
+    return {key: found[key] for key in keys if key in found}, unknown
 
 
 def _check_rollout(project: Project, rollout_id: str) -> None:
@@ -200,12 +270,9 @@ def _check_rollout(project: Project, rollout_id: str) -> None:
         raise NotFound("rollout", rollout_id)
 
 
-def _row(span: dict[str, Any], attempt: Attempt) -> Span:
-    values = {
-        "id": None,
-        "rollout_id": attempt.rollout_id,
-        "attempt_id": attempt.pk,
-        "sequence_id": span["sequence_id"],
+def _span_values(span: dict[str, Any]) -> dict[str, Any]:
+    """A span's stored fields, less its ids (rollout, attempt, sequence, row)."""
+    return {
         "trace_id": span["trace_id"],
         "span_id": span["span_id"],
         "parent_id": span.get("parent_id"),
@@ -220,6 +287,16 @@ def _row(span: dict[str, Any], attempt: Attempt) -> Span:
         "parent": span.get("parent"),
         "resource": span.get("resource") or {"attributes": {}, "schema_url": ""},
         "extra": {k: v for k, v in span.items() if k not in _KNOWN},
+    }
+
+
+def _row(span: dict[str, Any], attempt: Attempt) -> Span:
+    values = {
+        "id": None,
+        "rollout_id": attempt.rollout_id,
+        "attempt_id": attempt.pk,
+        "sequence_id": span["sequence_id"],
+        **_span_values(span),
     }
     # Filling the instance's dict directly skips Django's per-field descriptors in
     # Model.__init__, which cost more than the rest of building the row.
@@ -266,15 +343,114 @@ def _heartbeats_due(attempts: list[Attempt], now: datetime) -> list[Attempt]:
     return due
 
 
-def _rollouts_running(latest: list[Attempt]) -> None:
-    """The rollout of a latest attempt that had a heartbeat: preparing/requeuing -> running.
-    Compare-and-swap (the rollout is not locked), so a terminal rollout never moves."""
-    if latest:
-        Rollout.objects.filter(
-            pk__in=[a.rollout_id for a in latest],
-            latest_attempt__in=[a.pk for a in latest],
-            status__in=(RolloutStatus.PREPARING, RolloutStatus.REQUEUING),
-        ).update(status=RolloutStatus.RUNNING, queue_deadline=None)
+def _rollouts_running(latest: list[Attempt]) -> list[Rollout]:
+    """The rollouts of latest attempts that had a heartbeat, moved preparing/requeuing ->
+    running (the caller writes them). Their rows are locked (Postgres; SQLite's transactions
+    are serialized), so a terminal rollout never moves."""
+    moved = []
+    for attempt in latest:
+        rollout = attempt.rollout
+        if (rollout.latest_attempt_id == attempt.pk and rollout not in moved
+                and rollout.status in (RolloutStatus.PREPARING, RolloutStatus.REQUEUING)):
+            rollout.status = RolloutStatus.RUNNING
+            rollout.queue_deadline = None
+            moved.append(rollout)
+    return moved
+
+
+def _common_case_possible(spans: Sequence[dict[str, Any]]) -> bool:
+    """Worth trying `_export_common`: Postgres in autocommit, a small batch, one attempt."""
+    if connection.vendor != "postgresql" or connection.in_atomic_block:
+        return False
+    if len(spans) >= COPY_THRESHOLD or not connection.get_autocommit():
+        return False
+    first = spans[0]
+    key = (first["rollout_id"], first["attempt_id"])
+    return all((s["rollout_id"], s["attempt_id"]) == key for s in spans)
+
+
+def _export_common(project: Project, spans: Sequence[dict[str, Any]], now: datetime
+                   ) -> set[str] | None:
+    """The common case of an OTLP export, in one statement run in autocommit: the ids of the
+    spans' rollout if it is cancelled; None, having written nothing, when the case is not the
+    common one (the attempt is unknown, preparing or unresponsive, or its heartbeat is due).
+
+    The statement takes the attempt's row with FOR KEY SHARE (the lock the span's foreign
+    key takes anyway at commit; it waits for no heartbeat or status writer), then the
+    rollout's row with the UPDATE that moves its sequence counter (the same order as every
+    writer: attempt, then rollout), inserts the spans skipping stored ones, and makes its
+    own commit asynchronous (`_commit_asynchronously`'s argument: a span-only transaction).
+    Sequence ids are assigned as `_assign_sequence_ids` does, from the counter as the UPDATE
+    finds it once it holds the row."""
+    first = spans[0]
+    explicit = [s["sequence_id"] for s in spans if s.get("sequence_id") is not None]
+    missing = len(spans) - len(explicit)
+    params: list[Any] = [
+        first["rollout_id"], first["attempt_id"], project.pk,
+        [AttemptStatus.PREPARING, AttemptStatus.UNRESPONSIVE], now - HEARTBEAT_MIN_INTERVAL,
+        max(explicit) + 1 if explicit else None, missing, missing,
+    ]
+    plan = _span_plan()
+    ordinal = 0
+    for index, span in enumerate(spans):
+        seq = span.get("sequence_id")
+        params += [index, seq, None if seq is not None else ordinal]
+        if seq is None:
+            ordinal += 1
+        values = _span_values(span)
+        for name, prepare in plan:
+            params.append(prepare(values[name]))
+    with connection.cursor() as cursor:
+        cursor.execute(_common_sql(len(spans)), params)
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    return {first["rollout_id"]} if row[0] == RolloutStatus.CANCELLED else set()
+
+
+_IDS = ("id", "rollout_id", "attempt_id", "sequence_id")
+
+
+@functools.cache
+def _span_plan() -> tuple[tuple[str, Any], ...]:
+    """The span's other columns, each with what makes its parameter: JSON as text in the
+    field's own encoding (what Django sends), the rest as the field prepares it."""
+    def json_text(field: JSONField):
+        return lambda value: None if value is None else json.dumps(value, cls=field.encoder)
+
+    def prepared(field):
+        return lambda value: field.get_db_prep_save(value, connection)
+
+    return tuple((f.attname, json_text(f) if isinstance(f, JSONField) else prepared(f))
+                 for f in Span._meta.concrete_fields if f.attname not in _IDS)
+
+
+@functools.lru_cache(maxsize=COPY_THRESHOLD)
+def _common_sql(count: int) -> str:
+    fields = [f for f in Span._meta.concrete_fields if f.attname not in _IDS]
+    # Text, not varchar(n): a cast would cut an over-long value, where the insert refuses it.
+    casts = ["text" if isinstance(f, CharField) else f.db_type(connection) for f in fields]
+    placeholder = "(" + ", ".join(["%s::int4"] * 3 + [f"%s::{c}" for c in casts]) + ")"
+    names = [f"c{i}" for i in range(len(fields))]
+    columns = ", ".join(f'"{f.column}"' for f in fields)
+    span = Span._meta
+    return (
+        "WITH a AS (SELECT a.id, a.rollout_id FROM store_attempt a "
+        "JOIN store_rollout r ON r.id = a.rollout_id WHERE a.rollout_id = %s "
+        "AND a.attempt_id = %s AND r.project_id + 0 = %s AND a.status <> ALL(%s) "
+        "AND a.last_heartbeat_time > %s FOR KEY SHARE OF a), "
+        "r AS (UPDATE store_rollout r SET next_span_sequence_id = "
+        "GREATEST(r.next_span_sequence_id, %s::int4) + %s::int4 FROM a "
+        "WHERE r.id = a.rollout_id RETURNING r.id, r.status, "
+        "r.next_span_sequence_id - %s::int4 AS first), "
+        f'm AS (INSERT INTO "{span.db_table}" ("rollout_id", "attempt_id", "sequence_id", '
+        f"{columns}) SELECT r.id, a.id, COALESCE(v.seq, r.first + v.ord), "
+        f"{', '.join(f'v.{n}' for n in names)} FROM a, r, "
+        f"(VALUES {', '.join([placeholder] * count)}) AS v(i, seq, ord, {', '.join(names)}) "
+        "ORDER BY v.i ON CONFLICT (attempt_id, span_id) DO NOTHING RETURNING 1) "
+        "SELECT r.status, (SELECT count(*) FROM m), "
+        "set_config('synchronous_commit', 'off', true) FROM r"
+    )
 
 
 def _deadline(attempt: Attempt, now: datetime) -> datetime | None:
