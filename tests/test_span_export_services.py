@@ -38,8 +38,7 @@ def otel(rollout, attempt, name: str, seq: int | None = None, **extra) -> dict:
 def _state(rollout: Rollout, attempt: Attempt) -> tuple:
     attempt.refresh_from_db()
     rollout.refresh_from_db()
-    deadline = attempt.deadline and attempt.deadline - attempt.start_time
-    return (attempt.status, attempt.last_heartbeat_time, deadline, attempt.metadata,
+    return (attempt.status, attempt.last_heartbeat_time, attempt.deadline, attempt.metadata,
             rollout.status, rollout.next_span_sequence_id, rollout.queue_deadline)
 
 
@@ -53,18 +52,25 @@ def _uses_common_case() -> bool:
     return connection.vendor == "postgresql"
 
 
-def test_the_common_case_answers_as_the_full_path_does(project):
-    enqueue(project, 2)
+@pytest.mark.parametrize("config", [
+    None, {"timeout_seconds": 30.5}, {"unresponsive_seconds": 7.25},
+    {"timeout_seconds": 0.1 + 0.2, "unresponsive_seconds": 1e-7},
+    {"timeout_seconds": 2e8},  # beyond the statement's limit: the full path revives
+])
+def test_the_common_case_answers_as_the_full_path_does(project, config):
+    enqueue(project, 2, config=config)
     ours = claim(project, "w1")
     theirs = claim(project, "w2")
+    # One start time for both (a deadline counts from it).
+    Attempt.objects.filter(pk=theirs[1].pk).update(start_time=ours[1].start_time)
     t0 = timezone.now()
     # (spans by name and explicit sequence id, seconds after t0)
     exports = [
-        ([("a", None)], 0.0),  # preparing: the full path (revives, rollout -> running)
-        ([("b", None), ("c", None)], 0.1),  # heartbeat not due: the common case
+        ([("a", None)], 0.0),  # preparing: revived (deadline), rollout -> running
+        ([("b", None), ("c", None)], 0.1),  # heartbeat not due
         ([("d", 10), ("e", None)], 0.2),  # an explicit id raises the counter
         ([("b", None), ("f", None)], 0.3),  # a stored span is skipped (its id is still used)
-        ([("g", None)], 1.5),  # heartbeat due: the full path
+        ([("g", None)], 1.5),  # heartbeat due
         ([("h", 2)], 1.6),  # an explicit id below the counter
         ([("i", None), ("i", None)], 1.7),  # twice in one batch: the first is kept
         ([("j", None)], 1.8),
@@ -93,18 +99,15 @@ def test_the_common_case_answers_as_the_full_path_does(project):
 def test_the_common_case_is_one_statement_and_commits_asynchronously(project):
     enqueue(project, 1)
     rollout, attempt = claim(project)
-    with CaptureQueriesContext(connection) as first:
-        services.spans_export(project=project, spans=[otel(rollout, attempt, "a")])
-    sql = [q["sql"] for q in first.captured_queries]
-    # The attempt was preparing: the common case's statement finds nothing to do (and writes
-    # nothing), then the full path locks, writes, and commits asynchronously.
-    assert len(sql) == 5 and sql[1] == "BEGIN" and sql[-1] == "COMMIT", sql
-    assert "synchronous_commit" in sql[2]
-    with CaptureQueriesContext(connection) as common:
-        services.spans_export(project=project, spans=[otel(rollout, attempt, "b"),
-                                                      otel(rollout, attempt, "c")])
-    sql = [q["sql"] for q in common.captured_queries]
-    assert len(sql) == 1 and "set_config('synchronous_commit', 'off', true)" in sql[0], sql
+    for names in (["a"], ["b", "c"]):  # preparing (revived), then heartbeat not due
+        with CaptureQueriesContext(connection) as common:
+            services.spans_export(project=project,
+                                  spans=[otel(rollout, attempt, name) for name in names])
+        sql = [q["sql"] for q in common.captured_queries]
+        assert len(sql) == 1 and "set_config('synchronous_commit', 'off', true)" in sql[0], sql
+    attempt.refresh_from_db()
+    rollout.refresh_from_db()
+    assert (attempt.status, rollout.status) == ("running", "running")
     assert list(Span.objects.order_by("sequence_id").values_list("name", "sequence_id")) == [
         ("a", 1), ("b", 2), ("c", 3)]
     # Inside a caller's transaction: the full path, and the caller's commit stays synchronous.
@@ -132,7 +135,10 @@ def test_an_unresponsive_attempt_with_a_fresh_heartbeat_is_revived(project):
     services.spans_export(project=project, spans=[otel(rollout, attempt, "a")])
     Attempt.objects.filter(pk=attempt.pk).update(status="unresponsive")
     Rollout.objects.filter(pk=rollout.pk).update(status="requeuing")
-    services.spans_export(project=project, spans=[otel(rollout, attempt, "b")])
+    with CaptureQueriesContext(connection) as fallback:
+        services.spans_export(project=project, spans=[otel(rollout, attempt, "b")])
+    if _uses_common_case():  # the statement left it to the full path
+        assert [q["sql"] for q in fallback.captured_queries][1] == "BEGIN"
     attempt.refresh_from_db()
     rollout.refresh_from_db()
     assert attempt.status == "running" and rollout.status == "running"

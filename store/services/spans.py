@@ -86,12 +86,9 @@ def spans_export(
     lean path): a span naming an attempt the project does not have is set aside and counted
     (the others are stored), and no rows come back.
 
-    The common case, on Postgres outside any transaction: spans of one attempt that is not
-    preparing or unresponsive and whose heartbeat is not due (it had one within
-    HEARTBEAT_MIN_INTERVAL): nothing to write on the attempt, so one statement, in autocommit
-    and committing asynchronously, does it all (`_export_common`). Anything else, or when
-    that statement finds the attempt otherwise, takes the full path (`_ingest`), which
-    answers the same."""
+    On Postgres outside any transaction, spans of one attempt are one statement run in
+    autocommit, committing asynchronously (`_export_common`); the full path (`_ingest`)
+    answers the rest, and the few cases that statement leaves to it, the same way."""
     for index, span in enumerate(spans):
         _validate(span, index)
     if not spans:
@@ -371,24 +368,35 @@ def _common_case_possible(spans: Sequence[dict[str, Any]]) -> bool:
 
 def _export_common(project: Project, spans: Sequence[dict[str, Any]], now: datetime
                    ) -> set[str] | None:
-    """The common case of an OTLP export, in one statement run in autocommit: the ids of the
-    spans' rollout if it is cancelled; None, having written nothing, when the case is not the
-    common one (the attempt is unknown, preparing or unresponsive, or its heartbeat is due).
+    """An OTLP export of one attempt's spans in one statement run in autocommit: the ids of
+    the spans' rollout if it is cancelled; None, having written nothing, when the full path
+    must answer: the attempt is unknown (or another project's), or unresponsive (its revival
+    records the watchdog's verdict), or its rollout's config sets a limit beyond 1e8 s (a
+    deadline is computed in Python then, which has its own overflow rule).
 
-    The statement takes the attempt's row with FOR KEY SHARE (the lock the span's foreign
-    key takes anyway at commit; it waits for no heartbeat or status writer), then the
-    rollout's row with the UPDATE that moves its sequence counter (the same order as every
-    writer: attempt, then rollout), inserts the spans skipping stored ones, and makes its
-    own commit asynchronous (`_commit_asynchronously`'s argument: a span-only transaction).
-    Sequence ids are assigned as `_assign_sequence_ids` does, from the counter as the UPDATE
-    finds it once it holds the row."""
+    The statement does what `_ingest` does, in the same lock order: it locks the attempt
+    (FOR NO KEY UPDATE, read as it is once locked), writes its heartbeat when due (preparing
+    or running -> running with a new deadline, `attempt_deadline` in SQL; an ended attempt
+    keeps its status and deadline), then the UPDATE that moves the rollout's sequence
+    counter locks the rollout and moves it preparing/requeuing -> running when its latest
+    attempt was revived, the spans are inserted (stored ones skipped), and the commit is
+    asynchronous (`_commit_asynchronously`'s argument: a span-only transaction). Sequence
+    ids are assigned as `_assign_sequence_ids` does, from the counter as the UPDATE finds
+    it. The attempt's lock waits, as the full path's does, for a writer of that attempt.
+    Nothing is written unless the statement does it all."""
     first = spans[0]
     explicit = [s["sequence_id"] for s in spans if s.get("sequence_id") is not None]
     missing = len(spans) - len(explicit)
+    preparing, running = AttemptStatus.PREPARING, AttemptStatus.RUNNING
+    moving = (RolloutStatus.PREPARING, RolloutStatus.REQUEUING)
+    due = (preparing, now - HEARTBEAT_MIN_INTERVAL)
     params: list[Any] = [
-        first["rollout_id"], first["attempt_id"], project.pk,
-        [AttemptStatus.PREPARING, AttemptStatus.UNRESPONSIVE], now - HEARTBEAT_MIN_INTERVAL,
-        max(explicit) + 1 if explicit else None, missing, missing,
+        *due, preparing, running, *due, now,  # a
+        first["rollout_id"], first["attempt_id"], project.pk, AttemptStatus.UNRESPONSIVE,
+        _DEADLINE_SECONDS_LIMIT, _DEADLINE_SECONDS_LIMIT,
+        running, now,  # u
+        max(explicit) + 1 if explicit else None, missing,  # r
+        *moving, RolloutStatus.RUNNING, *moving, missing,
     ]
     plan = _span_plan()
     ordinal = 0
@@ -408,6 +416,9 @@ def _export_common(project: Project, spans: Sequence[dict[str, Any]], now: datet
     return {first["rollout_id"]} if row[0] == RolloutStatus.CANCELLED else set()
 
 
+# An attempt whose rollout's config sets a limit beyond this (seconds) takes the full path:
+# Python's rule for a deadline past year 9999 (None) is not Postgres'.
+_DEADLINE_SECONDS_LIMIT = 1e8
 _IDS = ("id", "rollout_id", "attempt_id", "sequence_id")
 
 
@@ -434,21 +445,42 @@ def _common_sql(count: int) -> str:
     names = [f"c{i}" for i in range(len(fields))]
     columns = ", ".join(f'"{f.column}"' for f in fields)
     span = Span._meta
+    timeout = "(r.config->>'timeout_seconds')::float8"
+    unresponsive = "(r.config->>'unresponsive_seconds')::float8"
+    due = ("(a.status = %s OR a.last_heartbeat_time IS NULL "
+           "OR a.last_heartbeat_time <= %s)")
+    moves = ("a.revive AND r.latest_attempt_id = a.id "
+             "AND r.status IN (%s::varchar, %s::varchar)")
     return (
-        "WITH a AS (SELECT a.id, a.rollout_id FROM store_attempt a "
-        "JOIN store_rollout r ON r.id = a.rollout_id WHERE a.rollout_id = %s "
-        "AND a.attempt_id = %s AND r.project_id + 0 = %s AND a.status <> ALL(%s) "
-        "AND a.last_heartbeat_time > %s FOR KEY SHARE OF a), "
+        # The attempt, locked; `due` as `_heartbeats_due` decides it, `revive` as `_ingest`
+        # (a due attempt that is preparing or running: running, with a new deadline).
+        f"WITH a AS (SELECT a.id, a.rollout_id, {due} AND a.status IN (%s, %s) AS revive, "
+        f"{due} AS due, LEAST(a.start_time + make_interval(secs => {timeout}), "
+        f"%s::timestamptz + make_interval(secs => {unresponsive})) AS deadline "
+        "FROM store_attempt a JOIN store_rollout r ON r.id = a.rollout_id "
+        "WHERE a.rollout_id = %s AND a.attempt_id = %s AND r.project_id + 0 = %s "
+        f"AND a.status <> %s AND COALESCE({timeout}, 0) < %s "
+        f"AND COALESCE({unresponsive}, 0) < %s "
+        "FOR NO KEY UPDATE OF a), "
+        # Its heartbeat, when due.
+        "u AS (UPDATE store_attempt t SET "
+        "status = CASE WHEN a.revive THEN %s ELSE t.status END, "
+        "last_heartbeat_time = %s, "
+        "deadline = CASE WHEN a.revive THEN a.deadline ELSE t.deadline END "
+        "FROM a WHERE t.id = a.id AND a.due RETURNING t.id), "
+        # The rollout: its counter, and preparing/requeuing -> running.
         "r AS (UPDATE store_rollout r SET next_span_sequence_id = "
-        "GREATEST(r.next_span_sequence_id, %s::int4) + %s::int4 FROM a "
-        "WHERE r.id = a.rollout_id RETURNING r.id, r.status, "
+        "GREATEST(r.next_span_sequence_id, %s::int4) + %s::int4, "
+        f"status = CASE WHEN {moves} THEN %s ELSE r.status END, "
+        f"queue_deadline = CASE WHEN {moves} THEN NULL ELSE r.queue_deadline END "
+        "FROM a WHERE r.id = a.rollout_id RETURNING r.id, r.status, "
         "r.next_span_sequence_id - %s::int4 AS first), "
         f'm AS (INSERT INTO "{span.db_table}" ("rollout_id", "attempt_id", "sequence_id", '
         f"{columns}) SELECT r.id, a.id, COALESCE(v.seq, r.first + v.ord), "
         f"{', '.join(f'v.{n}' for n in names)} FROM a, r, "
         f"(VALUES {', '.join([placeholder] * count)}) AS v(i, seq, ord, {', '.join(names)}) "
         "ORDER BY v.i ON CONFLICT (attempt_id, span_id) DO NOTHING RETURNING 1) "
-        "SELECT r.status, (SELECT count(*) FROM m), "
+        "SELECT r.status, (SELECT count(*) FROM m), (SELECT count(*) FROM u), "
         "set_config('synchronous_commit', 'off', true) FROM r"
     )
 
