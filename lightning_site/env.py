@@ -88,6 +88,12 @@ def database_from_url(url: str) -> dict:
                 "DATABASE_URL option conn_health_checks must be true or false, "
                 f"not {health_checks!r}"
             )
+        prepared = options.pop("prepared_statements", "true").lower()
+        if prepared not in {"true", "false"}:
+            raise ImproperlyConfigured(
+                "DATABASE_URL option prepared_statements must be true or false, "
+                f"not {prepared!r}"
+            )
         return {
             "ENGINE": "django.db.backends.postgresql",
             "NAME": name,
@@ -99,6 +105,10 @@ def database_from_url(url: str) -> dict:
             # drop ones the server closed instead of failing that request.
             "CONN_MAX_AGE": conn_max_age,
             "CONN_HEALTH_CHECKS": health_checks == "true",
+            # The hottest statement (an OTLP export's, store/services/spans.py) is prepared
+            # once per connection; `false` behind a pooler that cannot keep them (PgBouncer
+            # before 1.21 in transaction mode). Django's own statements never are.
+            "PREPARED_STATEMENTS": prepared == "true",
             "OPTIONS": options,
         }
     if scheme == "sqlite":

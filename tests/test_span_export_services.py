@@ -189,3 +189,25 @@ def test_text_the_database_cannot_keep_is_invalid_input_in_the_common_case(proje
     assert Span.objects.count() == 1
     rollout.refresh_from_db()
     assert rollout.next_span_sequence_id == 2  # as after "a": rolled back with the rest
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("prepared", [True, False])
+def test_the_statement_is_prepared_once_per_connection_unless_told_not_to(
+        project, prepared, monkeypatch):
+    """DATABASE_URL's `prepared_statements=false` (a pooler that cannot keep them) still
+    binds server-side, unprepared; both answer alike."""
+    enqueue(project, 1)
+    rollout, attempt = claim(project)
+    connection.close()
+    monkeypatch.setitem(connection.settings_dict, "PREPARED_STATEMENTS", prepared)
+    for name in "abcd":
+        services.spans_export(project=project, spans=[otel(rollout, attempt, name)])
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT generic_plans + custom_plans FROM pg_prepared_statements "
+                       "WHERE statement LIKE 'WITH a AS (%%'")
+        runs = [row[0] for row in cursor.fetchall()]
+    assert runs == ([4] if prepared else [])
+    assert list(Span.objects.order_by("sequence_id").values_list("name", flat=True)) == list(
+        "abcd")
+    connection.close()

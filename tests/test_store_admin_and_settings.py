@@ -82,11 +82,16 @@ def test_database_url_parsing():
     assert (pg["NAME"], pg["USER"], pg["PASSWORD"], pg["HOST"], pg["PORT"]) == (
         "name", "u", "p@ss", "db.example", "6543")
     assert pg["OPTIONS"] == {"sslmode": "require"}
-    assert (pg["CONN_MAX_AGE"], pg["CONN_HEALTH_CHECKS"]) == (60, True)
-    tuned = env.database_from_url("postgres://h/n?conn_max_age=0&conn_health_checks=false")
-    assert (tuned["CONN_MAX_AGE"], tuned["CONN_HEALTH_CHECKS"], tuned["OPTIONS"]) == (0, False, {})
+    assert (pg["CONN_MAX_AGE"], pg["CONN_HEALTH_CHECKS"], pg["PREPARED_STATEMENTS"]) == (
+        60, True, True)
+    tuned = env.database_from_url(
+        "postgres://h/n?conn_max_age=0&conn_health_checks=false&prepared_statements=false")
+    assert (tuned["CONN_MAX_AGE"], tuned["CONN_HEALTH_CHECKS"], tuned["PREPARED_STATEMENTS"],
+            tuned["OPTIONS"]) == (0, False, False, {})
     with pytest.raises(ImproperlyConfigured, match="conn_health_checks"):
         env.database_from_url("postgres://h/n?conn_health_checks=maybe")
+    with pytest.raises(ImproperlyConfigured, match="prepared_statements"):
+        env.database_from_url("postgres://h/n?prepared_statements=maybe")
     with pytest.raises(ImproperlyConfigured):
         env.database_from_url("mysql://x/y")
     with pytest.raises(ImproperlyConfigured):

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 
 import orjson
+import psycopg
 from django.db import connection
 from django.db.models import JSONField, Model
 
@@ -179,3 +181,28 @@ def api_key_live(prefix: str) -> ApiKey | None:
     key = row_instance(ApiKey, list(row[:width]))
     key._state.fields_cache["project"] = row_instance(Project, list(row[width:]))
     return key
+
+
+def fetch_one_prepared(sql: str, params: list) -> tuple | None:
+    """Run one statement (Postgres) with server-side binding, prepared once per connection
+    (unless DATABASE_URL says `prepared_statements=false`): its first row. For the hottest
+    statement, whose parsing and planning cost Postgres more than running it (an OTLP
+    export: ~0.4 ms of ~0.55), and whose parameters need no quoting into the text.
+
+    Django's own cursors bind client-side and never prepare (its default: poolers), so
+    enabling explicit preparation on the connection changes nothing for them. Errors are
+    Django's, as from its cursors, and the statement is logged where Django logs queries."""
+    connection.ensure_connection()
+    connection.validate_thread_sharing()
+    raw = connection.connection
+    prepare = connection.settings_dict.get("PREPARED_STATEMENTS", True)
+    if prepare and raw.prepare_threshold is None:
+        raw.prepare_threshold = 2**31 - 1  # only what asks for it (prepare=True)
+    started = time.monotonic()
+    with connection.wrap_database_errors, psycopg.Cursor(raw) as cursor:
+        cursor.execute(sql, params, prepare=prepare)
+        row = cursor.fetchone()
+    if connection.queries_logged:
+        connection.queries_log.append(
+            {"sql": sql, "time": f"{time.monotonic() - started:.3f}"})
+    return row

@@ -23,7 +23,7 @@ from store.models import Attempt, Project, Rollout, Span
 from store.services._bulk import Write, insert_new
 from store.services._common import attempt_deadline, set_attempt_status
 from store.services._copy import COPY_THRESHOLD
-from store.services._rows import attempts_and_rollouts_locked
+from store.services._rows import attempts_and_rollouts_locked, fetch_one_prepared
 from store.statemachine import AttemptStatus, RolloutConfig, RolloutStatus
 from store.text import find_bad_text
 
@@ -408,9 +408,7 @@ def _export_common(project: Project, spans: Sequence[dict[str, Any]], now: datet
         values = _span_values(span)
         for name, prepare in plan:
             params.append(prepare(values[name]))
-    with connection.cursor() as cursor:
-        cursor.execute(_common_sql(len(spans)), params)
-        row = cursor.fetchone()
+    row = fetch_one_prepared(_common_sql(len(spans)), params)
     if row is None:
         return None
     return {first["rollout_id"]} if row[0] == RolloutStatus.CANCELLED else set()
