@@ -239,8 +239,11 @@ def _attempts_for(project: Project, spans: Sequence[dict], unknown_ok: bool = Fa
     rollout_ids = sorted({rid for rid, _ in keys})
     attempt_ids = sorted({aid for _, aid in keys})
     if connection.vendor == "postgresql":
+        claimed = _claim_async_commit()
         rows = attempts_and_rollouts_locked(project.pk, rollout_ids, attempt_ids,
-                                            async_commit=_claim_async_commit())
+                                            async_commit=claimed)
+        if claimed and not rows:  # the setting rode on no row: still to be sent
+            _span_transaction.async_pending = True
     else:  # the embedded SQLite default: its transactions are serialized (BEGIN IMMEDIATE)
         rows = list(
             Attempt.objects.select_related("rollout")
