@@ -47,6 +47,11 @@ def _loads(text: str, field: JSONField):
     return json.loads(text, cls=field.decoder)
 
 
+# A column that makes the statement's transaction commit asynchronously (SET LOCAL's function
+# form), evaluated once per row returned.
+SET_ASYNC_COMMIT = ", set_config('synchronous_commit', 'off', true)"
+
+
 def _attempts_with_rollouts(where: str, lock: str, params: list) -> list[Attempt]:
     sql = (
         f"SELECT {_columns(Attempt, 'a')}, {_columns(Rollout, 'r')} FROM store_attempt a "
@@ -68,7 +73,8 @@ def _instances(sql: str, params: list) -> list[Attempt]:
         attempt = row_instance(Attempt, list(row[:width]))
         rollout = rollouts.get(attempt.rollout_id)
         if rollout is None:
-            rollout = rollouts[attempt.rollout_id] = row_instance(Rollout, list(row[width:]))
+            rollout = rollouts[attempt.rollout_id] = row_instance(
+                Rollout, list(row[width:width + len(Rollout._meta.concrete_fields)]))
         attempt._state.fields_cache["rollout"] = rollout  # as select_related leaves it
         attempts.append(attempt)
     return attempts
@@ -100,7 +106,8 @@ def attempts_locked(project_id: int, rollout_ids: list[str], attempt_ids: list[s
     return _attempts_with_rollouts(where, "FOR NO KEY UPDATE OF a", params)
 
 
-def _attempts_then_rollouts_locked(where: str, params: list) -> list[Attempt]:
+def _attempts_then_rollouts_locked(where: str, params: list, async_commit: bool = False
+                                   ) -> list[Attempt]:
     """Both locking steps of `attempts_locked(lock_rollouts=True)` in one statement (one round
     trip): the attempts locked in id order (a materialized WITH clause), then their rollouts
     in id order, as they are once locked. The rollouts' ids come from an array built from
@@ -113,7 +120,8 @@ def _attempts_then_rollouts_locked(where: str, params: list) -> list[Attempt]:
         f"lr AS MATERIALIZED (SELECT {_columns(Rollout, 'r')} FROM store_rollout r "
         "WHERE r.id = ANY(ARRAY(SELECT DISTINCT la.rollout_id FROM la)) "
         "AND r.project_id + 0 = %s ORDER BY r.id FOR NO KEY UPDATE) "
-        f"SELECT {_columns(Attempt, 'la')}, {_columns(Rollout, 'lr')} FROM la "
+        f"SELECT {_columns(Attempt, 'la')}, {_columns(Rollout, 'lr')}"
+        f"{SET_ASYNC_COMMIT if async_commit else ''} FROM la "
         "JOIN lr ON lr.id = la.rollout_id ORDER BY la.id"
     )
     return _instances(sql, params)
@@ -122,37 +130,13 @@ def _attempts_then_rollouts_locked(where: str, params: list) -> list[Attempt]:
 def attempts_and_rollouts_locked(project_id: int, rollout_ids: list[str],
                                  attempt_ids: list[str], async_commit: bool = False
                                  ) -> list[Attempt]:
-    """`attempts_locked(..., lock_rollouts=True)` in one statement (the span ingest's): the
-    named attempts of the project locked FOR NO KEY UPDATE in id order (the CTE, fully read
-    before the outer lock: the sort under it consumes every row first), then their rollouts
-    in id order, each returned as it is once locked. The same lock order, one round trip less.
-    With `async_commit`, the statement also makes this transaction commit asynchronously
-    (`set_config(..., is_local)`, as `SET LOCAL` would; evaluated only when rows come back).
-    Attempts come back in id order."""
-    width = len(Attempt._meta.concrete_fields)
-    sync = ", set_config('synchronous_commit', 'off', true)" if async_commit else ""
-    sql = (
-        f"WITH a AS MATERIALIZED (SELECT {_columns(Attempt, 'a')} FROM store_attempt a "
-        "JOIN store_rollout r ON r.id = a.rollout_id WHERE a.rollout_id = ANY(%s) "
-        "AND a.attempt_id = ANY(%s) AND r.project_id + 0 = %s ORDER BY a.id "
-        f"FOR NO KEY UPDATE OF a) SELECT a.*, {_columns(Rollout, 'r')}{sync} FROM a "
-        "JOIN store_rollout r ON r.id = a.rollout_id ORDER BY r.id, a.id FOR NO KEY UPDATE OF r"
-    )
-    with connection.cursor() as cursor:
-        cursor.execute(sql, [rollout_ids, attempt_ids, project_id])
-        rows = cursor.fetchall()
-    rollouts: dict[str, Rollout] = {}
-    attempts = []
-    for row in rows:
-        attempt = row_instance(Attempt, list(row[:width]))
-        rollout = rollouts.get(attempt.rollout_id)
-        if rollout is None:
-            rollout = rollouts[attempt.rollout_id] = row_instance(
-                Rollout, list(row[width:width + len(Rollout._meta.concrete_fields)]))
-        attempt._state.fields_cache["rollout"] = rollout
-        attempts.append(attempt)
-    attempts.sort(key=lambda a: a.pk)
-    return attempts
+    """`attempts_locked(project_id, rollout_ids, attempt_ids, lock_rollouts=True)` (one
+    statement), for the span ingest: with `async_commit`, the statement also makes this
+    transaction commit asynchronously (`set_config(..., is_local)`, as `SET LOCAL` would;
+    evaluated only when rows come back), which saves that round trip."""
+    where = "a.rollout_id = ANY(%s) AND r.project_id + 0 = %s AND a.attempt_id = ANY(%s)"
+    return _attempts_then_rollouts_locked(
+        where, [rollout_ids, project_id, attempt_ids, project_id], async_commit)
 
 
 def rollouts_locked(project_id: int, rollout_ids: list[str]) -> dict[str, Rollout]:
