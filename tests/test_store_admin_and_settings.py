@@ -81,13 +81,15 @@ def test_database_url_parsing():
     pg = env.database_from_url("postgres://u:p%40ss@db.example:6543/name?sslmode=require")
     assert (pg["NAME"], pg["USER"], pg["PASSWORD"], pg["HOST"], pg["PORT"]) == (
         "name", "u", "p@ss", "db.example", "6543")
-    assert pg["OPTIONS"] == {"sslmode": "require"}
+    assert pg["OPTIONS"] == {"sslmode": "require", "server_side_binding": True,
+                             "prepare_threshold": 5}
     assert (pg["CONN_MAX_AGE"], pg["CONN_HEALTH_CHECKS"], pg["PREPARED_STATEMENTS"]) == (
         60, True, True)
     tuned = env.database_from_url(
         "postgres://h/n?conn_max_age=0&conn_health_checks=false&prepared_statements=false")
     assert (tuned["CONN_MAX_AGE"], tuned["CONN_HEALTH_CHECKS"], tuned["PREPARED_STATEMENTS"],
-            tuned["OPTIONS"]) == (0, False, False, {})
+            tuned["OPTIONS"]) == (0, False, False, {"server_side_binding": True,
+                                                    "prepare_threshold": None})
     with pytest.raises(ImproperlyConfigured, match="conn_health_checks"):
         env.database_from_url("postgres://h/n?conn_health_checks=maybe")
     with pytest.raises(ImproperlyConfigured, match="prepared_statements"):
