@@ -325,3 +325,25 @@ def test_the_one_locking_statement_locks_every_attempt_before_any_rollout(projec
         prober.close()
     rollout.refresh_from_db()
     assert rollout.status == "succeeded"
+
+
+@pytest.mark.postgres
+def test_a_reports_locking_read_keeps_its_generic_plan(project):
+    """Prepared, the locking read of a report over one attempt is planned once and kept (a
+    generic plan), not planned anew each time as it was over a one-element array."""
+    from django.db import connection
+
+    enqueue(project, 3000)
+    claimed = services.rollout_dequeue_many(project=project, worker_id="w", limit=3000)[:12]
+    with connection.cursor() as cursor:  # statistics of a store in use, as the planner sees
+        cursor.execute("ANALYZE store_attempt, store_rollout")
+    for rollout, attempt in claimed:
+        services.attempt_update(project=project, rollout_id=rollout.pk,
+                                attempt_id=attempt.attempt_id, status="succeeded")
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT generic_plans, custom_plans FROM pg_prepared_statements "
+                       "WHERE statement LIKE 'WITH la AS MATERIALIZED%%'")
+        plans = cursor.fetchall()
+    assert len(plans) == 1
+    generic, custom = plans[0]
+    assert generic >= 1 and custom <= 5, plans

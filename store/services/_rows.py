@@ -96,11 +96,11 @@ def attempts_locked(project_id: int, rollout_ids: list[str], attempt_ids: list[s
     ids never waits behind its transactions (a timing oracle). The filter is written
     `project_id + 0` so the planner cannot pick the project's index over the primary keys (a
     new project's stale statistics look small, and it would scan the whole project)."""
-    where = "a.rollout_id = ANY(%s) AND r.project_id + 0 = %s"
-    params: list = [rollout_ids, project_id]
+    where = f"{_among('a.rollout_id', rollout_ids)} AND r.project_id + 0 = %s"
+    params: list = [_one_or_all(rollout_ids), project_id]
     if attempt_ids is not None:
-        where += " AND a.attempt_id = ANY(%s)"
-        params.append(attempt_ids)
+        where += f" AND {_among('a.attempt_id', attempt_ids)}"
+        params.append(_one_or_all(attempt_ids))
     if lock_rollouts:
         return _attempts_then_rollouts_locked(where, params + [project_id])
     return _attempts_with_rollouts(where, "FOR NO KEY UPDATE OF a", params)
@@ -134,9 +134,24 @@ def attempts_and_rollouts_locked(project_id: int, rollout_ids: list[str],
     statement), for the span ingest: with `async_commit`, the statement also makes this
     transaction commit asynchronously (`set_config(..., is_local)`, as `SET LOCAL` would;
     evaluated only when rows come back), which saves that round trip."""
-    where = "a.rollout_id = ANY(%s) AND r.project_id + 0 = %s AND a.attempt_id = ANY(%s)"
+    where = (f"{_among('a.rollout_id', rollout_ids)} AND r.project_id + 0 = %s "
+             f"AND {_among('a.attempt_id', attempt_ids)}")
     return _attempts_then_rollouts_locked(
-        where, [rollout_ids, project_id, attempt_ids, project_id], async_commit)
+        where, [_one_or_all(rollout_ids), project_id, _one_or_all(attempt_ids), project_id],
+        async_commit)
+
+
+def _among(column: str, ids: list[str]) -> str:
+    """`column = %s` for one id, `column = ANY(%s)` for several. Prepared, a statement over
+    an array is planned anew on every run: its generic plan, costed for an array of unknown
+    length, never looks as cheap as the custom plans for one id, so Postgres keeps planning
+    (a report's locking read: 0.32 ms of planning for 0.07 ms of work). With a single value
+    the generic plan is the custom one, and Postgres keeps it."""
+    return f"{column} = %s" if len(ids) == 1 else f"{column} = ANY(%s)"
+
+
+def _one_or_all(ids: list[str]) -> str | list[str]:
+    return ids[0] if len(ids) == 1 else ids
 
 
 def rollouts_locked(project_id: int, rollout_ids: list[str]) -> dict[str, Rollout]:
