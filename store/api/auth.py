@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
+import threading
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from rest_framework import exceptions
@@ -73,8 +77,69 @@ def raw_key_from_header(header: bytes) -> str | None:
 
 def authenticate_key(raw: str) -> ApiKey | None:
     """The live key, read from the database on every request: a revoked key is refused by
-    the next request, in every process (no cache to outlive the revocation)."""
+    the next request, in every process (no cache to outlive the revocation). The lean paths
+    use `authenticate_key_lean`, whose cache holds only what never changes and leaves the
+    liveness to each request's own statement."""
     return services.api_key_authenticate(raw=raw)
+
+
+@dataclass(frozen=True)
+class LeanKey:
+    """What a lean path (store/api/fastpath.py, fastjson.py) knows of a request's key: its
+    facts, and `live_check`: None when the key was just authenticated in full (read and
+    compared in this request), else (pk, role): the request's own statement must find that
+    key still live with that role (`live_key` of the services it calls)."""
+
+    pk: int
+    project: Project
+    role: str
+    name: str
+    live_check: tuple[int, str] | None
+
+
+# Per process: what keys authenticated in full (`authenticate_key`) are, by the sha256 of
+# the raw key (never the key itself). A key's pk, project and hash never change; its
+# liveness does (revoked, deleted), and its role may (the admin edits it): every lean
+# request's statement checks both (store/services/_rows.py KEY_LIVE_SQL).
+LEAN_CACHE_SIZE = 4096
+# A cache hit older than this goes through `authenticate_key` once (its last_used_at
+# bookkeeping: at most one write a minute per key).
+LEAN_RECHECK_SECONDS = 60.0
+_lean_cache: OrderedDict[bytes, tuple[int, int, str, str, str, float]] = OrderedDict()
+_lean_lock = threading.Lock()
+
+
+def lean_cache_clear() -> None:
+    with _lean_lock:
+        _lean_cache.clear()
+
+
+def authenticate_key_lean(raw: str) -> LeanKey | None:
+    """The key for a lean path: from this process's cache (its liveness left to the
+    request's statement), or authenticated in full (`authenticate_key`: read and compared,
+    last_used_at kept) on a miss and once a minute per key; None when it is not a live key."""
+    digest = hashlib.sha256(raw.encode()).digest()
+    clock = time.monotonic()
+    with _lean_lock:
+        hit = _lean_cache.get(digest)
+        if hit is not None and clock - hit[5] < LEAN_RECHECK_SECONDS:
+            _lean_cache.move_to_end(digest)
+    if hit is not None and clock - hit[5] < LEAN_RECHECK_SECONDS:
+        pk, project_id, db, role, name, _ = hit
+        # The project by its pk alone (its other fields load if ever read): never stale.
+        project = Project.from_db(db, ["id"], [project_id])
+        return LeanKey(pk, project, role, name, (pk, role))
+    key = authenticate_key(raw)
+    with _lean_lock:
+        if key is None:
+            _lean_cache.pop(digest, None)
+            return None
+        _lean_cache[digest] = (key.pk, key.project_id, key._state.db, key.role, key.name,
+                               clock)
+        _lean_cache.move_to_end(digest)
+        while len(_lean_cache) > LEAN_CACHE_SIZE:
+            _lean_cache.popitem(last=False)
+    return LeanKey(key.pk, key.project, key.role, key.name, None)
 
 
 class ApiKeyAuthentication(BaseAuthentication):

@@ -35,9 +35,8 @@ from store import services, watchdog
 from store.api import fastpath, limits
 from store.api import serializers as s
 from store.api import views as v
-from store.api.auth import ANY_ROLE, authenticate_key, raw_key_from_header
+from store.api.auth import ANY_ROLE, LeanKey, authenticate_key_lean, raw_key_from_header
 from store.api.base import CANCELLED_HEADER, JSONNullRenderer
-from store.models import ApiKey
 from store.services.longpoll import rollout_dequeue_wait
 from store.statemachine import ATTEMPT_FINAL
 
@@ -114,8 +113,11 @@ def _strict_constant(name: str) -> Any:
     raise ValueError(f"Out of range float values are not JSON compliant: {name!r}")
 
 
-def _key(headers: dict[bytes, bytes], path: str, body: bytes, roles: frozenset) -> ApiKey | None:
-    """The request's key when the request is one this path answers as Django would."""
+def _key(headers: dict[bytes, bytes], path: str, body: bytes, roles: frozenset
+         ) -> LeanKey | None:
+    """The request's key when the request is one this path answers as Django would. From
+    this process's cache after the first request: its liveness is then checked by the
+    service call's own statement (`live_key`), and a dead key falls back to Django (401)."""
     if headers.get(b"content-type", b"").strip() != _JSON:
         return None
     if headers.get(b"accept", None) not in _ACCEPTS or headers.get(b"content-encoding"):
@@ -130,7 +132,7 @@ def _key(headers: dict[bytes, bytes], path: str, body: bytes, roles: frozenset) 
         raw = raw_key_from_header(headers.get(b"authorization", b""))
         if raw is None:
             return None
-        key = authenticate_key(raw)  # a database error: Django's path answers (503)
+        key = authenticate_key_lean(raw)  # a database error: Django's path answers (503)
     except Exception:
         return None
     if key is None or key.role not in roles:
@@ -205,7 +207,12 @@ def dequeue(headers: dict[bytes, bytes], path: str, body: bytes) -> Answer | Non
     if not _swept(project.pk):
         return None
     claimed = []
-    if data["limit"] > 0:
+    if data["limit"] <= 0:
+        try:
+            services.require_key_live(key.live_check)  # no claim statement to check it
+        except Exception:
+            return None
+    else:
         try:
             if data["wait_seconds"] > 0:
                 # Only a claim that finds work: on an empty queue it stores nothing (the
@@ -215,6 +222,7 @@ def dequeue(headers: dict[bytes, bytes], path: str, body: bytes) -> Answer | Non
                     worker_id=data.get("worker_id"),
                     limit=data["limit"],
                     idle_if_none=False,
+                    live_key=key.live_check,
                 )
                 if not claimed:
                     return None
@@ -224,6 +232,7 @@ def dequeue(headers: dict[bytes, bytes], path: str, body: bytes) -> Answer | Non
                     worker_id=data.get("worker_id"),
                     limit=data["limit"],
                     wait_seconds=0.0,
+                    live_key=key.live_check,
                 )
         except Exception:
             # Rolled back: Django's path answers (and refuses) it again, in its words.
@@ -252,7 +261,8 @@ def update_attempt(headers: dict[bytes, bytes], path: str, body: bytes) -> Answe
         return None
     try:
         attempt = services.attempt_update(
-            project=project, rollout_id=rollout_id, attempt_id=attempt_id, **data
+            project=project, rollout_id=rollout_id, attempt_id=attempt_id,
+            live_key=key.live_check, **data
         )
     except Exception:
         # Rolled back: Django's path refuses it again, in its words.

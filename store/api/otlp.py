@@ -39,6 +39,7 @@ from store.api.base import CANCELLED_HEADER, StoreView
 from store.api.errors import PayloadTooLarge, UnsupportedMediaType
 from store.api.serializers import check_span_sizes
 from store.models import Project
+from store.services._rows import LiveKey
 
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
@@ -299,10 +300,11 @@ class OtlpTracesView(OtlpView):
         return response
 
 
-def export_spans(project: Project, message: ExportTraceServiceRequest
-                 ) -> tuple[ExportTraceServiceResponse, set[str]]:
+def export_spans(project: Project, message: ExportTraceServiceRequest,
+                 live_key: LiveKey | None = None) -> tuple[ExportTraceServiceResponse, set[str]]:
     """Stores a parsed export's spans: the reply, and the ids of cancelled rollouts among
-    them. Also the ASGI front's lean path (store/api/fastpath.py)."""
+    them. Also the ASGI front's lean path (store/api/fastpath.py), with `live_key`: its
+    key (pk, role) when the key came from its cache (`spans_export`)."""
     spans, rejected = spans_from_request(message)
     if len(spans) > limits.MAX_SPANS_PER_REQUEST:
         raise PayloadTooLarge(f"more than {limits.MAX_SPANS_PER_REQUEST} spans")
@@ -311,7 +313,7 @@ def export_spans(project: Project, message: ExportTraceServiceRequest
     # A span naming an attempt this project does not have is rejected alone (an exporter
     # drops a whole batch answered 404). Spans without agentlightning.span_sequence_id get
     # their attempt's next ids. One (asynchronous) commit; one statement in the common case.
-    exported = services.spans_export(project=project, spans=spans)
+    exported = services.spans_export(project=project, spans=spans, live_key=live_key)
     unknown, cancelled = exported.unknown, exported.cancelled
     reply = ExportTraceServiceResponse()
     if rejected or unknown:

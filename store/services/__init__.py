@@ -1,5 +1,6 @@
 """Every write to the store. Keyword-only, typed, one short transaction each."""
 
+from store.services._rows import KeyNotLive, require_key_live
 from store.services.attempts import (
     AttemptUpdate,
     attempt_finish,
@@ -51,6 +52,7 @@ from store.services.workers import worker_update
 __all__ = [
     "AttemptUpdate",
     "Dispatch",
+    "KeyNotLive",
     "RolloutSpec",
     "api_key_authenticate",
     "api_key_create",
@@ -62,6 +64,7 @@ __all__ = [
     "group_create",
     "project_create",
     "project_first_start",
+    "require_key_live",
     "resources_add",
     "resources_retain",
     "resources_set_keep",

@@ -16,7 +16,7 @@ from store.ids import new_attempt_id
 from store.models import Attempt, Project, Rollout
 from store.services._bulk import bulk_set
 from store.services._common import attempt_deadline, worker_mark_dequeued
-from store.services._rows import row_instance
+from store.services._rows import KEY_LIVE_SQL_NAMED, LiveKey, require_key_live, row_instance
 from store.statemachine import QUEUED, AttemptStatus, RolloutConfig, RolloutStatus
 
 # How long a named claim waits for its rollout's row lock (see _claim_sql).
@@ -25,15 +25,24 @@ NAMED_CLAIM_LOCK_WAIT_MS = 5000
 
 def claim_queued(
     project: Project, worker_id: str | None, limit: int, now: datetime,
-    rollout_id: str | None = None, idle_if_none: bool = True,
+    rollout_id: str | None = None, idle_if_none: bool = True, live_key: LiveKey | None = None,
 ) -> list[tuple[Rollout, Attempt]]:
     """Claim up to `limit` queued rollouts (or the named one), highest priority then oldest
     first, and record the dequeue on the worker (busy with the last rollout claimed; idle
     when none was, unless `idle_if_none` is False). Must run inside a transaction, except
-    an unnamed claim on Postgres: one statement, atomic by itself."""
+    an unnamed claim on Postgres: one statement, atomic by itself.
+
+    With `live_key` (a lean request's key), nothing is claimed or recorded unless that
+    key is live; KeyNotLive then. On Postgres the claim statement checks it (a claim that
+    finds nothing asks again, to tell an empty queue from a dead key); elsewhere a read
+    before the claim does."""
     if connection.vendor == "postgresql":
-        claimed = _claim_sql(project, worker_id, limit, now, rollout_id, idle_if_none)
+        claimed = _claim_sql(project, worker_id, limit, now, rollout_id, idle_if_none,
+                             live_key)
+        if not claimed:
+            require_key_live(live_key)
     else:
+        require_key_live(live_key)
         claimed = _claim_orm(project, worker_id, limit, now, rollout_id)
     claimed.sort(key=lambda pair: (-pair[0].priority, pair[0].enqueue_time))
     if connection.vendor != "postgresql" and worker_id and (claimed or idle_if_none):
@@ -119,11 +128,12 @@ _WORKER_SQL = """
 """
 
 
-def _claim_sql(project, worker_id, limit, now, rollout_id, idle_if_none
+def _claim_sql(project, worker_id, limit, now, rollout_id, idle_if_none, live_key=None
                ) -> list[tuple[Rollout, Attempt]]:
-    sql, defaults = _claim_statement(bool(rollout_id), bool(worker_id))
+    sql, defaults = _claim_statement(bool(rollout_id), bool(worker_id), live_key is not None)
     params = {**defaults, "project": project.pk, "now": now, "worker": worker_id,
-              "limit": limit, "rid": rollout_id, "idle_if_none": idle_if_none}
+              "limit": limit, "rid": rollout_id, "idle_if_none": idle_if_none,
+              "key": live_key and live_key[0], "key_role": live_key and live_key[1]}
     with connection.cursor() as cursor:
         if rollout_id:
             # A named claim waits for a row another writer holds briefly (an algorithm's
@@ -153,9 +163,11 @@ def _claim_sql(project, worker_id, limit, now, rollout_id, idle_if_none
 
 
 @functools.cache
-def _claim_statement(only_named: bool, with_worker: bool) -> tuple[str, dict]:
+def _claim_statement(only_named: bool, with_worker: bool, key_checked: bool = False
+                     ) -> tuple[str, dict]:
     """The claim statement (its text never changes, so psycopg parses it once) and the
-    parameters of the attempt columns that take their model default."""
+    parameters of the attempt columns that take their model default. With `key_checked`,
+    it claims and records nothing unless the key `%(key)s` is live (`KEY_LIVE_SQL_NAMED`)."""
     given = {
         "rollout_id": "p.id",
         "attempt_id": "'at-' || substr(md5(random()::text || clock_timestamp()::text || p.id),"
@@ -180,11 +192,14 @@ def _claim_statement(only_named: bool, with_worker: bool) -> tuple[str, dict]:
             values.append(f"%(d_{field.column})s::{field.db_type(connection)}")
     rollout_columns = ", ".join(f'upd."{f.column}"' for f in Rollout._meta.concrete_fields)
     only = "AND id = %(rid)s" if only_named else ""
+    live = f"AND {KEY_LIVE_SQL_NAMED}" if key_checked else ""
+    worker = _WORKER_SQL.replace("OR %(idle_if_none)s", f"OR %(idle_if_none)s) {live}")
+    worker = worker.replace("WHERE last.rollout_id", "WHERE (last.rollout_id")
     sql = f"""
         WITH picked AS (
             SELECT id, attempt_count, config, priority, enqueue_time FROM store_rollout
             WHERE project_id = %(project)s AND status IN ('queuing', 'requeuing')
-              AND (queue_deadline IS NULL OR queue_deadline > %(now)s) {only}
+              AND (queue_deadline IS NULL OR queue_deadline > %(now)s) {only} {live}
             ORDER BY priority DESC, enqueue_time LIMIT %(limit)s
             FOR UPDATE {"" if only_named else "SKIP LOCKED"}
         ), ins AS (
@@ -196,7 +211,7 @@ def _claim_statement(only_named: bool, with_worker: bool) -> tuple[str, dict]:
                 attempt_count = ins.sequence_id, queue_deadline = NULL
             FROM ins WHERE r.id = ins.rollout_id
             RETURNING r.*
-        ) {_WORKER_SQL if with_worker else ""}
+        ) {worker if with_worker else ""}
         SELECT {rollout_columns}, ins.id, ins.attempt_id, ins.sequence_id, ins.deadline
         FROM upd JOIN ins ON ins.rollout_id = upd.id
     """

@@ -81,7 +81,7 @@ def _instances(sql: str, params: list) -> list[Attempt]:
 
 
 def attempts_locked(project_id: int, rollout_ids: list[str], attempt_ids: list[str] | None,
-                    lock_rollouts: bool) -> list[Attempt]:
+                    lock_rollouts: bool, live_key: LiveKey | None = None) -> list[Attempt]:
     """The project's attempts of these rollouts (only those named, when `attempt_ids` is
     given), each with its rollout (one instance per rollout), locked FOR NO KEY UPDATE in
     attempt pk order; with `lock_rollouts`, their rollouts next, in id order, read again once
@@ -95,12 +95,18 @@ def attempts_locked(project_id: int, rollout_ids: list[str], attempt_ids: list[s
     Rows of another project are filtered out before they are locked: naming another tenant's
     ids never waits behind its transactions (a timing oracle). The filter is written
     `project_id + 0` so the planner cannot pick the project's index over the primary keys (a
-    new project's stale statistics look small, and it would scan the whole project)."""
+    new project's stale statistics look small, and it would scan the whole project).
+
+    With `live_key` (a lean request's key), no row is found unless that key is live
+    (`KEY_LIVE_SQL`), so nothing is locked or written for a revoked key."""
     where = f"{_among('a.rollout_id', rollout_ids)} AND r.project_id + 0 = %s"
     params: list = [_one_or_all(rollout_ids), project_id]
     if attempt_ids is not None:
         where += f" AND {_among('a.attempt_id', attempt_ids)}"
         params.append(_one_or_all(attempt_ids))
+    if live_key is not None:
+        where += f" AND {KEY_LIVE_SQL}"
+        params.extend(live_key)
     if lock_rollouts:
         return _attempts_then_rollouts_locked(where, params + [project_id])
     return _attempts_with_rollouts(where, "FOR NO KEY UPDATE OF a", params)
@@ -180,6 +186,37 @@ def api_key_live(prefix: str) -> ApiKey | None:
     key = row_instance(ApiKey, list(row[:width]))
     key._state.fields_cache["project"] = row_instance(Project, list(row[width:]))
     return key
+
+
+class KeyNotLive(Exception):
+    """A lean request's key (`live_key`) was revoked, deleted or given another role since
+    this process cached it: nothing was written; the request goes through Django, which
+    answers as it would (401 for a dead key)."""
+
+
+# A lean request's key as its statement checks it: (pk, role). What the process cached of
+# the key; the statement finds it still so (a role may be edited in the admin).
+LiveKey = tuple[int, str]
+# The condition a lean request's statement adds (parameters: the key's pk, then its role):
+# the key exists, still has that role, and is not revoked. Checked in the statement that
+# writes, so a key revoked before it runs does nothing (read committed: the revocation's
+# commit is seen).
+_KEY_LIVE = ("EXISTS (SELECT 1 FROM store_apikey WHERE id = {pk} AND role = {role} "
+             "AND revoked_at IS NULL)")
+KEY_LIVE_SQL = _KEY_LIVE.format(pk="%s", role="%s")
+KEY_LIVE_SQL_NAMED = _KEY_LIVE.format(pk="%(key)s", role="%(key_role)s")
+
+
+def require_key_live(live_key: LiveKey | None) -> None:
+    """Raise KeyNotLive unless the key `live_key` is live (nothing to check: None). For the
+    paths whose writes do not carry `KEY_LIVE_SQL`: run it before them (inside their
+    transaction, where they have one)."""
+    if live_key is None:
+        return
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT {KEY_LIVE_SQL}", list(live_key))
+        if not cursor.fetchone()[0]:
+            raise KeyNotLive(live_key[0])
 
 
 def fetch_one_prepared(sql: str, params: list) -> tuple | None:

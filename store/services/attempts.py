@@ -21,7 +21,7 @@ from store.services._common import (
     set_attempt_status,
     worker_writes_for_attempts,
 )
-from store.services._rows import attempts_locked
+from store.services._rows import LiveKey, attempts_locked, require_key_live
 from store.services.groups import rollouts_finished
 from store.statemachine import (
     ATTEMPT_FINAL,
@@ -58,9 +58,12 @@ def attempt_update(
     worker_id: Any = _UNSET,
     last_heartbeat_time: datetime | None = None,
     metadata: Any = _UNSET,
+    live_key: LiveKey | None = None,
 ) -> Attempt:
+    """One runner report. `live_key`: a lean request's key (pk, role), checked live by the
+    locking statement (nothing found, NotFound, when it is not)."""
     update = AttemptUpdate(rollout_id, attempt_id, status, worker_id, last_heartbeat_time, metadata)
-    return attempt_update_many(project=project, updates=[update])[0]
+    return attempt_update_many(project=project, updates=[update], live_key=live_key)[0]
 
 
 def attempt_finish(
@@ -76,7 +79,8 @@ def attempt_finish(
     return attempt_update_many(project=project, updates=[update])[0]
 
 
-def attempt_update_many(*, project: Project, updates: Sequence[AttemptUpdate]) -> list[Attempt]:
+def attempt_update_many(*, project: Project, updates: Sequence[AttemptUpdate],
+                        live_key: LiveKey | None = None) -> list[Attempt]:
     """Apply runner reports in one transaction. Locks attempts, then their rollouts (the one
     lock order every writer uses). A rollout follows its latest attempt unless terminal."""
     for update in updates:
@@ -89,7 +93,7 @@ def attempt_update_many(*, project: Project, updates: Sequence[AttemptUpdate]) -
     now = timezone.now()
     rollout_ids = {u.rollout_id for u in updates}
     with transaction.atomic():
-        all_attempts, rollouts = _lock(project, rollout_ids)
+        all_attempts, rollouts = _lock(project, rollout_ids, live_key)
         attempts = _pick(updates, all_attempts, rollouts)
         finished: list[Rollout] = []
         changed_rollouts: dict[str, Rollout] = {}
@@ -120,13 +124,16 @@ def attempt_update_many(*, project: Project, updates: Sequence[AttemptUpdate]) -
     return attempts
 
 
-def _lock(project: Project, rollout_ids: set[str]) -> tuple[list[Attempt], dict[str, Rollout]]:
+def _lock(project: Project, rollout_ids: set[str], live_key: LiveKey | None = None
+          ) -> tuple[list[Attempt], dict[str, Rollout]]:
     """Lock every attempt of the rollouts and the rollouts themselves, in one statement.
     Rows lock in attempt pk order, each rollout right after its first attempt: the order
     attempts -> rollouts that every writer keeps (see store/watchdog.py)."""
     if connection.vendor == "postgresql":
-        rows = attempts_locked(project.pk, sorted(rollout_ids), None, lock_rollouts=True)
+        rows = attempts_locked(project.pk, sorted(rollout_ids), None, lock_rollouts=True,
+                               live_key=live_key)
     else:  # the embedded SQLite default: its transactions are serialized (BEGIN IMMEDIATE)
+        require_key_live(live_key)
         rows = list(
             Attempt.objects.select_related("rollout").filter(rollout_id__in=rollout_ids)
             .order_by("pk")

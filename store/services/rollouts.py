@@ -22,6 +22,7 @@ from store.services._common import (
     queue_deadline,
     worker_sync_for_attempts,
 )
+from store.services._rows import LiveKey
 from store.services.groups import groups_add_members, rollouts_finished, rollouts_terminal
 from store.statemachine import (
     QUEUED,
@@ -189,21 +190,25 @@ def rollout_enqueue(*, project: Project, spec: RolloutSpec) -> Rollout:
 
 
 def rollout_dequeue_many(
-    *, project: Project, worker_id: str | None = None, limit: int = 1, idle_if_none: bool = True
+    *, project: Project, worker_id: str | None = None, limit: int = 1, idle_if_none: bool = True,
+    live_key: LiveKey | None = None,
 ) -> list[tuple[Rollout, Attempt]]:
     """Claim up to `limit` queued rollouts (highest priority, then oldest first), each with
     a new attempt, in one transaction; rows another claimer holds are skipped, not waited on.
     With `idle_if_none` False, a claim that finds nothing stores nothing (the worker is not
-    marked idle)."""
+    marked idle). With `live_key` (a lean request's key), KeyNotLive and nothing stored
+    unless that key is live (checked by the claim itself)."""
     if limit < 1:
         raise InvalidInput("limit", "must be >= 1")
     now = timezone.now()
     if connection.vendor == "postgresql" and not connection.in_atomic_block:
         # On Postgres the claim is one statement (_claim.py), atomic by itself: without
         # BEGIN and COMMIT it is two round trips shorter.
-        return claim_queued(project, worker_id, limit, now, idle_if_none=idle_if_none)
+        return claim_queued(project, worker_id, limit, now, idle_if_none=idle_if_none,
+                            live_key=live_key)
     with transaction.atomic():
-        claimed = claim_queued(project, worker_id, limit, now, idle_if_none=idle_if_none)
+        claimed = claim_queued(project, worker_id, limit, now, idle_if_none=idle_if_none,
+                               live_key=live_key)
     return claimed
 
 

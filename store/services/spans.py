@@ -23,7 +23,13 @@ from store.models import Attempt, Project, Rollout, Span
 from store.services._bulk import Write, insert_new
 from store.services._common import attempt_deadline, set_attempt_status
 from store.services._copy import COPY_THRESHOLD
-from store.services._rows import attempts_and_rollouts_locked, fetch_one_prepared
+from store.services._rows import (
+    KEY_LIVE_SQL,
+    LiveKey,
+    attempts_and_rollouts_locked,
+    fetch_one_prepared,
+    require_key_live,
+)
 from store.statemachine import AttemptStatus, RolloutConfig, RolloutStatus
 from store.text import find_bad_text
 
@@ -80,7 +86,8 @@ class SpansExported:
 
 
 def spans_export(
-    *, project: Project, spans: Sequence[dict[str, Any]], now: datetime | None = None
+    *, project: Project, spans: Sequence[dict[str, Any]], now: datetime | None = None,
+    live_key: LiveKey | None = None,
 ) -> SpansExported:
     """`spans_ingest` for an OTLP export (store/api/otlp.py, the view and the ASGI front's
     lean path): a span naming an attempt the project does not have is set aside and counted
@@ -88,7 +95,10 @@ def spans_export(
 
     On Postgres outside any transaction, spans of one attempt are one statement run in
     autocommit, committing asynchronously (`_export_common`); the full path (`_ingest`)
-    answers the rest, and the few cases that statement leaves to it, the same way."""
+    answers the rest, and the few cases that statement leaves to it, the same way.
+
+    With `live_key` (a lean request's key), KeyNotLive and nothing stored unless that key
+    is live: the one statement checks it; the full path reads it first."""
     for index, span in enumerate(spans):
         _validate(span, index)
     if not spans:
@@ -96,9 +106,10 @@ def spans_export(
     now = now or timezone.now()
     with _naming_bad_text(spans):
         if _common_case_possible(spans):
-            cancelled = _export_common(project, spans, now)
+            cancelled = _export_common(project, spans, now, live_key)
             if cancelled is not None:
                 return SpansExported(cancelled, 0)
+        require_key_live(live_key)
         ingested, unknown = _ingest(project, spans, now, unknown_ok=True)
         return SpansExported(ingested.cancelled, unknown)
 
@@ -369,8 +380,8 @@ def _common_case_possible(spans: Sequence[dict[str, Any]]) -> bool:
     return all((s["rollout_id"], s["attempt_id"]) == key for s in spans)
 
 
-def _export_common(project: Project, spans: Sequence[dict[str, Any]], now: datetime
-                   ) -> set[str] | None:
+def _export_common(project: Project, spans: Sequence[dict[str, Any]], now: datetime,
+                   live_key: LiveKey | None = None) -> set[str] | None:
     """An OTLP export of one attempt's spans in one statement run in autocommit: the ids of
     the spans' rollout if it is cancelled; None, having written nothing, when the full path
     must answer: the attempt is unknown (or another project's), or unresponsive (its revival
@@ -386,7 +397,8 @@ def _export_common(project: Project, spans: Sequence[dict[str, Any]], now: datet
     asynchronous (`_commit_asynchronously`'s argument: a span-only transaction). Sequence
     ids are assigned as `_assign_sequence_ids` does, from the counter as the UPDATE finds
     it. The attempt's lock waits, as the full path's does, for a writer of that attempt.
-    Nothing is written unless the statement does it all."""
+    Nothing is written unless the statement does it all; with `live_key`, nothing unless
+    that key is live either (None then)."""
     first = spans[0]
     explicit = [s["sequence_id"] for s in spans if s.get("sequence_id") is not None]
     missing = len(spans) - len(explicit)
@@ -397,6 +409,7 @@ def _export_common(project: Project, spans: Sequence[dict[str, Any]], now: datet
         *due, preparing, running, *due, now,  # a
         first["rollout_id"], first["attempt_id"], project.pk, AttemptStatus.UNRESPONSIVE,
         _DEADLINE_SECONDS_LIMIT, _DEADLINE_SECONDS_LIMIT,
+        *(live_key or ()),
         running, now,  # u
         max(explicit) + 1 if explicit else None, missing,  # r
         *moving, RolloutStatus.RUNNING, *moving, missing,
@@ -411,7 +424,7 @@ def _export_common(project: Project, spans: Sequence[dict[str, Any]], now: datet
         values = _span_values(span)
         for name, prepare in plan:
             params.append(prepare(values[name]))
-    row = fetch_one_prepared(_common_sql(len(spans)), params)
+    row = fetch_one_prepared(_common_sql(len(spans), live_key is not None), params)
     if row is None:
         return None
     return {first["rollout_id"]} if row[0] == RolloutStatus.CANCELLED else set()
@@ -437,8 +450,8 @@ def _span_plan() -> tuple[tuple[str, Any], ...]:
                  for f in Span._meta.concrete_fields if f.attname not in _IDS)
 
 
-@functools.lru_cache(maxsize=COPY_THRESHOLD)
-def _common_sql(count: int) -> str:
+@functools.lru_cache(maxsize=2 * COPY_THRESHOLD)
+def _common_sql(count: int, key_checked: bool = False) -> str:
     fields = [f for f in Span._meta.concrete_fields if f.attname not in _IDS]
     # Text, not varchar(n): a cast would cut an over-long value, where the insert refuses it.
     casts = ["text" if isinstance(f, CharField) else f.db_type(connection) for f in fields]
@@ -462,6 +475,7 @@ def _common_sql(count: int) -> str:
         "WHERE a.rollout_id = %s AND a.attempt_id = %s AND r.project_id + 0 = %s "
         f"AND a.status <> %s AND COALESCE({timeout}, 0) < %s "
         f"AND COALESCE({unresponsive}, 0) < %s "
+        f"{f'AND {KEY_LIVE_SQL} ' if key_checked else ''}"
         "FOR NO KEY UPDATE OF a), "
         # Its heartbeat, when due.
         "u AS (UPDATE store_attempt t SET "
