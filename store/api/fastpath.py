@@ -27,7 +27,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from store import watchdog
 from store.api import limits, otlp
-from store.api.auth import ANY_ROLE, authenticate_key_lean, raw_key_from_header
+from store.api.auth import ANY_ROLE, LeanKey, authenticate_key_lean, raw_key_from_header
 from store.api.base import CANCELLED_HEADER
 
 log = logging.getLogger(__name__)
@@ -67,28 +67,33 @@ def _host_allowed(host: str) -> bool:
     return bool(domain) and validate_host(domain, allowed)
 
 
+def lean_key(headers: dict[bytes, bytes], roles: frozenset) -> LeanKey | None:
+    """The key of a request a lean path (this module, fastjson.py) may answer: an allowed
+    Host, a well-formed Authorization with a live key of one of `roles`; else None (Django
+    answers). From this process's cache after the first request: the key's liveness is then
+    checked by the service call's own statement (a dead key: Django's path answers 401)."""
+    if not _host_allowed(headers.get(b"host", b"").decode("latin-1")):
+        return None
+    try:
+        raw = raw_key_from_header(headers.get(b"authorization", b""))
+        if raw is None:
+            return None
+        key = authenticate_key_lean(raw)  # a database error: Django's path answers (503)
+    except Exception:
+        return None
+    if key is None or key.role not in roles:
+        return None
+    return key
+
+
 def otlp_traces(headers: dict[bytes, bytes], body: bytes) -> Answer | None:
     """The answer to `POST /v1/traces`, or None: let Django answer."""
     if headers.get(b"content-type", b"").strip().lower() != otlp.PROTOBUF.encode():
         return None
     if headers.get(b"content-encoding") or not body or len(body) > limits.MAX_BODY_BYTES:
         return None
-    if not _host_allowed(headers.get(b"host", b"").decode("latin-1")):
-        return None
-    try:
-        raw = raw_key_from_header(headers.get(b"authorization", b""))
-    except Exception:
-        return None
-    if raw is None:
-        return None
-    try:
-        # From this process's cache after the first request: the key's liveness is then
-        # checked by the export's own statement (KeyNotLive: Django's path answers 401).
-        key = authenticate_key_lean(raw)
-    except Exception:  # a database error: Django's path answers (503)
-        return None
-    allowed = getattr(otlp.OtlpTracesView, "post_roles", ANY_ROLE)
-    if key is None or key.role not in allowed:
+    key = lean_key(headers, frozenset(getattr(otlp.OtlpTracesView, "post_roles", ANY_ROLE)))
+    if key is None:
         return None
     message = ExportTraceServiceRequest()
     try:
