@@ -78,6 +78,14 @@ class Stream:
             self.tick()
             time.sleep(0.5)
 
+    def outcome(self) -> tuple[Counter, object]:
+        """The stream's rollouts by status, and (a queryset) those with two successes."""
+        rollouts = Rollout.objects.filter(pk__in=self.ids)
+        by_status = Counter(rollouts.values_list("status", flat=True))
+        duplicated = rollouts.annotate(
+            wins=Count("attempts", filter=Q(attempts__status="succeeded"))).filter(wins__gt=1)
+        return by_status, duplicated
+
     def finished(self) -> int:
         return Rollout.objects.filter(pk__in=self.ids, status__in=ROLLOUT_TERMINAL).count()
 
@@ -144,10 +152,7 @@ def test_nothing_is_lost_stuck_or_duplicated_and_each_fault_recovers(
     wait_until(stream.all_finished, timeout=400, interval=1,
                message=f"{len(stream.ids) - stream.finished()} rollouts never finished")
 
-    by_status = Counter(Rollout.objects.filter(pk__in=stream.ids)
-                        .values_list("status", flat=True))
-    duplicated = Rollout.objects.filter(pk__in=stream.ids).annotate(
-        wins=Count("attempts", filter=Q(attempts__status="succeeded"))).filter(wins__gt=1)
+    by_status, duplicated = stream.outcome()
     with capsys.disabled():
         print(f"\nchaos: {len(stream.ids)} rollouts {dict(by_status)}; lost 0, stuck 0, "
               f"duplicated {duplicated.count()}")
@@ -287,10 +292,7 @@ def _postgres_restart_mid_stream(cluster, server, capsys) -> None:
     stream.run_for(27)
     wait_until(stream.all_finished, timeout=400, interval=1,
                message=f"{len(stream.ids) - stream.finished()} rollouts never finished")
-    by_status = Counter(Rollout.objects.filter(pk__in=stream.ids)
-                        .values_list("status", flat=True))
-    duplicated = Rollout.objects.filter(pk__in=stream.ids).annotate(
-        wins=Count("attempts", filter=Q(attempts__status="succeeded"))).filter(wins__gt=1)
+    by_status, duplicated = stream.outcome()
     seconds = recovery_seconds(project, began, over)
     shown = "not within the run" if seconds is None else f"{seconds:.1f} s"
     # Rollouts a worker held just before Postgres went down: their reports met the outage.
