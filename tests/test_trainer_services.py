@@ -340,3 +340,37 @@ def test_a_train_step_message_of_a_deleted_job_does_nothing(monkeypatch):
     job.delete()
     assert services.step_train(step_id=step_id, worker="w") == "skipped"
     assert services.step_check_ready(step_id=step_id) is False
+
+
+def test_ctrl_c_in_the_middle_of_a_read_still_pauses_the_job(monkeypatch, settings):
+    """A Ctrl+C lands wherever the main thread is, often inside a query: the interrupt is
+    raised as the driver call returns, past Django's cleanup (KeyboardInterrupt is not an
+    Exception), and leaves the statement open. On SQLite an open statement holds a read
+    snapshot, and once a worker has written since, the pause's write on that connection
+    failed at once with "database is locked" (seen in CI: exit 1 and a traceback instead
+    of 130 and the resume hint)."""
+    from django.db import connections
+
+    from trainer import progress
+    from trainer.management.commands.train import run_followed
+
+    settings.EMBEDDED_WORKERS = False
+    job = make_job(steps=2)
+
+    def follow_interrupted_mid_read(job_id, **kwargs):
+        cursor = connection.cursor()
+        cursor.execute("SELECT id FROM store_rollout")  # rows left unread: the read is open
+
+        def worker_writes():
+            TrainingStep.objects.filter(job_id=job_id).update(updated_at=timezone.now())
+            connections.close_all()
+
+        writer = threading.Thread(target=worker_writes)
+        writer.start()
+        writer.join()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(progress, "follow", follow_interrupted_mid_read)
+    with pytest.raises(KeyboardInterrupt):
+        run_followed(job.pk, start=True)
+    assert TrainingJob.objects.get(pk=job.pk).status == JobStatus.PAUSED

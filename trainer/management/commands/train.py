@@ -17,6 +17,7 @@ from typing import Any, TextIO
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
+from django.db import connections
 from django.utils.module_loading import import_string
 
 from lightning_site.console import progress_stream, quiet_libraries
@@ -58,6 +59,10 @@ def run_followed(job_id: int, *, start: bool, reclaim: bool = False, quiet: bool
         try:
             return progress.follow(job_id, disable=quiet, file=out)
         except KeyboardInterrupt:
+            # The interrupt may have landed inside a query, past Django's cleanup, leaving a
+            # statement open (on SQLite, a stale read snapshot that refuses any write): this
+            # thread's connections are dropped, and the pause starts on a fresh one.
+            connections.close_all()
             # Paused before the embedded workers stop, so nothing plans its next step.
             services.job_pause(job_id=job_id)
             raise
