@@ -239,7 +239,8 @@ def _statements(queries) -> list[str]:
 def test_a_verdict_on_postgres_is_one_locking_statement_and_one_write_with_its_wakeups(
         project):
     """Both locks (attempts, then rollouts) in one statement; the writes and the wake-up
-    (pg_notify, delivered at commit) in another."""
+    (pg_notify, delivered at commit) in another. A bare "succeeded" is all of it in one
+    statement (store/services/_verdict.py)."""
     import psycopg
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
@@ -258,12 +259,14 @@ def test_a_verdict_on_postgres_is_one_locking_statement_and_one_write_with_its_w
         with CaptureQueriesContext(connection) as captured:
             finish(project, done, done_attempt, "succeeded")
         statements = _statements(captured.captured_queries)
+        assert len(statements) == 1, statements
+        assert "FOR NO KEY UPDATE" in statements[0] and "pg_notify" in statements[0]
+        with CaptureQueriesContext(connection) as captured:
+            finish(project, retried, retried_attempt, "failed")  # requeued: QUEUED
+        statements = _statements(captured.captured_queries)
         assert len(statements) == 2, statements
         assert statements[0].count("FOR NO KEY UPDATE") == 2
         assert "pg_notify" in statements[1] and "UPDATE" in statements[1]
-        with CaptureQueriesContext(connection) as captured:
-            finish(project, retried, retried_attempt, "failed")  # requeued: QUEUED
-        assert len(_statements(captured.captured_queries)) == 2
         heard = [(n.channel, n.payload) for n in listener.notifies(timeout=2, stop_after=2)]
         assert heard == [(wakeups.FINISHED, str(project.pk)), (wakeups.QUEUED, str(project.pk))]
     finally:

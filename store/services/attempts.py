@@ -13,6 +13,7 @@ from django.utils import timezone
 from store import hooks, wakeups
 from store.errors import IllegalTransition, InvalidInput, NotFound
 from store.models import Attempt, Project, Rollout
+from store.services import _verdict
 from store.services._bulk import Write, write_together
 from store.services._common import (
     ROLLOUT_FOLLOW_FIELDS,
@@ -61,7 +62,13 @@ def attempt_update(
     live_key: LiveKey | None = None,
 ) -> Attempt:
     """One runner report. `live_key`: a lean request's key (pk, role), checked live by the
-    locking statement (nothing found, NotFound, when it is not)."""
+    locking statement (nothing found, NotFound, when it is not). A bare "succeeded" is one
+    statement on Postgres (store/services/_verdict.py) where it can be."""
+    if (status == AttemptStatus.SUCCEEDED and worker_id is _UNSET and metadata is _UNSET
+            and last_heartbeat_time is None and _verdict.possible(attempt_id)):
+        attempt = _verdict.succeed(project, rollout_id, attempt_id, timezone.now(), live_key)
+        if attempt is not None:
+            return attempt
     update = AttemptUpdate(rollout_id, attempt_id, status, worker_id, last_heartbeat_time, metadata)
     return attempt_update_many(project=project, updates=[update], live_key=live_key)[0]
 
@@ -75,6 +82,10 @@ def attempt_finish(
     nothing; another final status raises IllegalTransition."""
     if status not in ATTEMPT_FINAL:
         raise InvalidInput("status", f"must be one of {sorted(ATTEMPT_FINAL)}")
+    if status == AttemptStatus.SUCCEEDED and error is None and _verdict.possible(attempt_id):
+        attempt = _verdict.succeed(project, rollout_id, attempt_id, timezone.now())
+        if attempt is not None:
+            return attempt
     update = AttemptUpdate(rollout_id, attempt_id, status, error=error)
     return attempt_update_many(project=project, updates=[update])[0]
 

@@ -1,0 +1,118 @@
+"""A runner's "succeeded" verdict in one statement (Postgres, autocommit): the common case of
+`attempt_update_many`, in one round trip instead of four (BEGIN, the locking read, the write,
+COMMIT), with no model instances built on the way in.
+
+The statement does what the full path does for that case, in the same lock order (attempts,
+then rollouts, then workers, then groups: store/services/_rows.py):
+
+- it locks the attempt (FOR NO KEY UPDATE, read as it is once locked) when it is preparing or
+  running (and the lean request's key is live);
+- it moves the rollout to succeeded, if the attempt is still its latest and the rollout is not
+  terminal (the UPDATE's conditions are checked again on the row it locked);
+- then the attempt (succeeded, ended now; its deadline and metadata as they were);
+- then its worker, when it names one (idle since now, no current rollout);
+- then the rollout's group, if any (one more finished member; reaching its total writes
+  the completion event), and the finished wake-up, sent at commit.
+
+The commit is synchronous (a verdict is durable once acknowledged). Nothing is written unless
+the statement does it all: any other case (another status, a move the rules refuse or make a
+no-op, an attempt that is no longer the latest, a terminal rollout, "latest" for the attempt
+id, fields beside the status, a process with rollouts-finished callbacks) returns None and the
+full path answers it, the same way. tests/test_attempt_services.py holds both paths to the
+same rows.
+"""
+
+from __future__ import annotations
+
+import functools
+from datetime import datetime
+
+from django.db import connection
+
+from store import hooks, wakeups
+from store.models import Attempt, Project, Worker
+from store.services._rows import KEY_LIVE_SQL, LiveKey, _columns, fetch_one_prepared, row_instance
+from store.statemachine import ATTEMPT_LIVE, ROLLOUT_TERMINAL, AttemptStatus, WorkerStatus
+
+
+def possible(attempt_id: str) -> bool:
+    """Worth trying `succeed`: Postgres in autocommit, a named attempt, no callbacks to call
+    with the finished rollout's row."""
+    return (connection.vendor == "postgresql" and not connection.in_atomic_block
+            and connection.get_autocommit() and attempt_id != "latest"
+            and not hooks._finished_callbacks)
+
+
+def succeed(project: Project, rollout_id: str, attempt_id: str, now: datetime,
+            live_key: LiveKey | None = None) -> Attempt | None:
+    """The attempt as the statement left it (succeeded), or None, having written nothing:
+    the full path must answer."""
+    params = [
+        rollout_id, attempt_id, project.pk, *ATTEMPT_LIVE, *(live_key or ()),  # a
+        AttemptStatus.SUCCEEDED, now, *sorted(ROLLOUT_TERMINAL),  # r
+        AttemptStatus.SUCCEEDED, now,  # u
+        project.pk, WorkerStatus.IDLE, now,  # w
+        now,  # g
+        now,  # c
+        wakeups.FINISHED, str(project.pk),
+    ]
+    row = fetch_one_prepared(_sql(live_key is not None), params)
+    if row is None:
+        return None
+    width = len(Attempt._meta.concrete_fields)
+    owners = row[width]
+    if owners:
+        hooks.notify_groups_completed(sorted(set(owners)))  # committed: as on_commit would
+    return row_instance(Attempt, list(row[:width]))
+
+
+@functools.cache
+def _worker_insert() -> tuple[str, str]:
+    """The worker upsert's columns and values (`worker_writes_for_attempts` for a finished
+    attempt: idle since now, no current rollout; the other columns as a new row has them)."""
+    given = {"project": "%s::bigint", "worker_id": "u.worker_id", "status": "%s::varchar",
+             "last_idle_time": "%s::timestamptz"}
+    columns, values = [], []
+    for field in Worker._meta.concrete_fields:
+        if field.primary_key:
+            continue
+        if field.name not in given:
+            assert field.null and field.get_default() is None, field.name
+        columns.append(f'"{field.column}"')
+        values.append(given.get(field.name, "NULL"))
+    return ", ".join(columns), ", ".join(values)
+
+
+@functools.cache
+def _sql(key_checked: bool) -> str:
+    worker_columns, worker_values = _worker_insert()
+    return (
+        # The attempt, locked, if it may move to succeeded.
+        "WITH a AS (SELECT a.id, a.rollout_id FROM store_attempt a "
+        "JOIN store_rollout r ON r.id = a.rollout_id "
+        "WHERE a.rollout_id = %s AND a.attempt_id = %s AND r.project_id + 0 = %s "
+        "AND a.status IN (%s, %s) "
+        f"{f'AND {KEY_LIVE_SQL} ' if key_checked else ''}"
+        "FOR NO KEY UPDATE OF a), "
+        # The rollout follows its latest attempt, unless terminal.
+        "r AS (UPDATE store_rollout r SET status = %s, end_time = %s::timestamptz FROM a "
+        "WHERE r.id = a.rollout_id AND r.latest_attempt_id = a.id "
+        "AND r.status NOT IN (%s, %s, %s) RETURNING r.id, r.group_id), "
+        "u AS (UPDATE store_attempt t SET status = %s, end_time = %s::timestamptz "
+        f"FROM a, r WHERE t.id = a.id RETURNING {_columns(Attempt, 't')}), "
+        f"w AS (INSERT INTO store_worker ({worker_columns}) SELECT {worker_values} FROM u "
+        "WHERE u.worker_id <> '' ON CONFLICT (project_id, worker_id) DO UPDATE SET "
+        "status = EXCLUDED.status, last_idle_time = EXCLUDED.last_idle_time, "
+        "current_rollout_id = NULL, current_attempt_id = NULL RETURNING 1), "
+        # The group, after the worker (the one lock order): the scalar subquery runs w first.
+        "g AS (UPDATE store_rolloutgroup g SET finished = g.finished + 1, "
+        "completed_at = CASE WHEN g.finished + 1 >= g.total THEN "
+        "COALESCE(g.completed_at, %s::timestamptz) END "
+        "FROM r WHERE g.id = r.group_id AND (SELECT count(*) FROM w) >= 0 "
+        "RETURNING g.id, g.owner, g.finished, g.total), "
+        "c AS (INSERT INTO store_groupcompletion (group_id, owner, created_at) "
+        "SELECT id, owner, %s::timestamptz FROM g "
+        "WHERE finished >= total AND finished - 1 < total AND total > 0 RETURNING owner) "
+        f"SELECT {_columns(Attempt, 'u')}, (SELECT array_agg(owner) FROM c), "
+        "pg_notify(%s, %s) FROM u"
+    )

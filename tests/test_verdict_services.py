@@ -1,0 +1,154 @@
+"""A bare "succeeded" verdict in one statement (store/services/_verdict.py) leaves the same
+rows as the full path (`attempt_update_many`), and declines every case it does not cover,
+which the full path then answers. On SQLite both calls take the full path."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+from store import hooks, services, watchdog
+from store.models import Attempt, GroupCompletion, Rollout, RolloutGroup, Worker
+from store.services import AttemptUpdate, RolloutSpec
+from tests.conftest import backdate
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+FROZEN = timezone.now().replace(microsecond=123456)
+
+
+@pytest.fixture(autouse=True)
+def frozen(monkeypatch):
+    monkeypatch.setattr(timezone, "now", lambda: FROZEN)
+
+
+def _common(project, rollout_id, attempt_id):
+    return services.attempt_update(project=project, rollout_id=rollout_id,
+                                   attempt_id=attempt_id, status="succeeded")
+
+
+def _full(project, rollout_id, attempt_id):
+    return services.attempt_update_many(
+        project=project, updates=[AttemptUpdate(rollout_id, attempt_id, "succeeded")])[0]
+
+
+def _rows(rollout_id: str, attempt_id: str) -> dict:
+    """What a verdict writes, without the ids that differ between two twins."""
+    attempt = Attempt.objects.get(rollout_id=rollout_id, attempt_id=attempt_id)
+    rollout = Rollout.objects.get(pk=rollout_id)
+    rows = {
+        "attempt": {f: getattr(attempt, f) for f in (
+            "status", "sequence_id", "start_time", "end_time", "last_heartbeat_time",
+            "metadata", "deadline")},
+        "rollout": {f: getattr(rollout, f) for f in (
+            "status", "end_time", "enqueue_time", "queue_deadline", "next_span_sequence_id")},
+        "worker": None, "group": None,
+    }
+    if attempt.worker_id:
+        worker = Worker.objects.get(project_id=rollout.project_id, worker_id=attempt.worker_id)
+        rows["worker"] = {f: getattr(worker, f) for f in (
+            "status", "last_idle_time", "last_busy_time", "last_dequeue_time",
+            "current_rollout_id", "current_attempt_id", "heartbeat_stats")}
+    if rollout.group_id:
+        group = RolloutGroup.objects.get(pk=rollout.group_id)
+        rows["group"] = (group.total, group.finished, group.completed_at,
+                         GroupCompletion.objects.filter(group=group).count())
+    return rows
+
+
+def _twins(project, *, grouped: int = 0, worker: bool = True, running: bool = False,
+           config: dict | None = None):
+    """Two rollouts in the same state (each in its own group of `grouped` members, when
+    given), each claimed: [(rollout id, attempt id)] * 2."""
+    twins = []
+    for name in ("a", "b"):
+        group = None
+        if grouped:
+            group, _ = services.group_create(project=project, key=name, owner="test")
+        rollouts = services.rollout_enqueue_many(
+            project=project,
+            specs=[RolloutSpec(input=i, config=config or {}) for i in range(max(grouped, 1))],
+            group=group)
+        rollout, attempt = services.rollout_claim(project=project, rollout_id=rollouts[0].pk,
+                                                  worker_id=f"w-{name}" if worker else None)
+        if running:
+            services.attempt_update(project=project, rollout_id=rollout.pk,
+                                    attempt_id=attempt.attempt_id, status="running")
+        twins.append((rollout.pk, attempt.attempt_id))
+    return twins
+
+
+def _statements(captured) -> list[str]:
+    return [q["sql"] for q in captured.captured_queries if q["sql"] not in ("BEGIN", "COMMIT")]
+
+
+@pytest.mark.parametrize("shape", [
+    {}, {"running": True}, {"worker": False}, {"grouped": 1}, {"grouped": 2},
+], ids=["preparing", "running", "no-worker", "completes-its-group", "group-waits"])
+def test_the_one_statement_verdict_leaves_the_rows_of_the_full_path(project, shape):
+    (ra, aa), (rb, ab) = _twins(project, **shape)
+    completed: list[str] = []
+    hooks.on_groups_completed("test", lambda: completed.append("nudged"))
+    try:
+        with CaptureQueriesContext(connection) as captured:
+            common = _common(project, ra, aa)
+        if connection.vendor == "postgresql":
+            assert len(_statements(captured)) == 1, _statements(captured)
+        nudged_by_common = list(completed)
+        full = _full(project, rb, ab)
+    finally:
+        hooks._completed_callbacks.pop("test", None)
+    assert _rows(ra, aa) == _rows(rb, ab)
+    assert nudged_by_common == (["nudged"] if shape.get("grouped") == 1 else [])
+    assert completed == nudged_by_common * 2
+    for answer in (common, full):
+        assert answer.status == "succeeded" and answer.end_time == FROZEN
+    assert (common.metadata, common.worker_id is None) == (full.metadata, full.worker_id is None)
+
+
+def _declined(project, rollout_id, attempt_id):
+    """The common statement writes nothing here; the full path answers."""
+    with CaptureQueriesContext(connection) as captured:
+        answer = _common(project, rollout_id, attempt_id)
+    if connection.vendor == "postgresql":
+        assert "pg_notify" in _statements(captured)[0]  # tried first
+        assert len(_statements(captured)) > 1  # then the full path
+    return answer
+
+
+def test_a_late_verdict_on_an_unresponsive_attempt_keeps_the_watchdogs(project):
+    (rollout_id, attempt_id), _ = _twins(project, running=True,
+                                         config={"unresponsive_seconds": 5})
+    backdate(Attempt.objects.get(rollout_id=rollout_id, attempt_id=attempt_id), 10)
+    swept = watchdog.sweep(now=FROZEN + timedelta(seconds=1))
+    assert f"{rollout_id}/{attempt_id}" in swept.unresponsive
+    answer = _declined(project, rollout_id, attempt_id)
+    assert answer.status == "succeeded"
+    assert answer.metadata["store.watchdog_verdict"] == "unresponsive"
+
+
+def test_a_verdict_on_a_cancelled_rollout_changes_the_attempt_only(project):
+    (rollout_id, attempt_id), _ = _twins(project, grouped=1)
+    services.rollout_update(project=project, rollout_id=rollout_id, status="cancelled")
+    answer = _declined(project, rollout_id, attempt_id)
+    assert answer.status == "succeeded"
+    rows = _rows(rollout_id, attempt_id)
+    assert rows["rollout"]["status"] == "cancelled"
+    assert rows["group"][1:] == (1, FROZEN, 1)  # counted once, by the cancel
+
+
+def test_a_verdict_given_twice_is_a_no_op_and_another_one_is_refused(project):
+    from store.errors import IllegalTransition
+
+    (rollout_id, attempt_id), _ = _twins(project, grouped=1)
+    _common(project, rollout_id, attempt_id)
+    before = _rows(rollout_id, attempt_id)
+    assert _declined(project, rollout_id, attempt_id).status == "succeeded"
+    assert _rows(rollout_id, attempt_id) == before
+    with pytest.raises(IllegalTransition):
+        services.attempt_update(project=project, rollout_id=rollout_id, attempt_id=attempt_id,
+                                status="failed")
