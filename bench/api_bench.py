@@ -89,9 +89,9 @@ def start_ours(server: str, workers: int, threads: int) -> subprocess.Popen:
                f"127.0.0.1:{OURS_PORT}", "-k", "gthread", "-w", str(workers),
                "--threads", str(threads), "--log-level", "warning", "--preload"]
     else:
-        cmd = [sys.executable, "-m", "uvicorn", "lightning_site.asgi:application", "--host",
-               "127.0.0.1", "--port", str(OURS_PORT), "--workers", str(workers),
-               "--log-level", "warning", "--no-access-log"]
+        # What `manage.py serve` and docker-compose run (lightning_site/web.py).
+        cmd = [sys.executable, "-m", "lightning_site.web", "--host", "127.0.0.1", "--port",
+               str(OURS_PORT), "--workers", str(workers), "--threads", str(threads)]
     env = {**os.environ, "LOG_LEVEL": "WARNING", "WEB_THREADS": str(threads)}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
     wait_healthy(f"http://127.0.0.1:{OURS_PORT}", proc)

@@ -151,25 +151,27 @@ class Front:
             return b""  # the view refuses it by its Content-Length, unread (413)
         parts: list[bytes] = []
         size = 0
-        deadline = time.monotonic() + self.body_timeout
-        while True:
-            try:
-                message = await asyncio.wait_for(receive(), deadline - time.monotonic())
-            except TimeoutError:
-                await self._send(send, 408, _JSON + [(b"connection", b"close")],
-                                 _detail("request body not received in time"))
-                return None
-            if message["type"] == "http.disconnect":
-                return None
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body:
-                await self._send(send, 413, _JSON + [(b"connection", b"close")],
-                                 _detail(f"request body over {self.max_body} bytes"))
-                return None
-            parts.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(parts)
+        try:
+            # One timer for the whole body (asyncio.wait_for per message made a task each).
+            async with asyncio.timeout(self.body_timeout):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return None
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > self.max_body:
+                        break
+                    parts.append(chunk)
+                    if not message.get("more_body", False):
+                        return b"".join(parts)
+        except TimeoutError:
+            await self._send(send, 408, _JSON + [(b"connection", b"close")],
+                             _detail("request body not received in time"))
+            return None
+        await self._send(send, 413, _JSON + [(b"connection", b"close")],
+                         _detail(f"request body over {self.max_body} bytes"))
+        return None
 
     def _lean(self, scope: dict) -> tuple | None:
         """(route label, handler(headers, path, body)) of a lean path that may answer the

@@ -74,11 +74,9 @@ class Server:
                    "--threads", str(self.threads), "--graceful-timeout", "5", "--timeout", "90",
                    *self.args]
         else:
-            cmd = [sys.executable, "-m", "uvicorn", "lightning_site.asgi:application",
-                   "--host", "127.0.0.1", "--port", str(self.port),
-                   "--workers", str(self.workers), "--timeout-graceful-shutdown", "5",
-                   *self.args]
-            self.env["WEB_THREADS"] = str(self.threads)
+            cmd = [sys.executable, "-m", "lightning_site.web", "--host", "127.0.0.1",
+                   "--port", str(self.port), "--workers", str(self.workers),
+                   "--threads", str(self.threads), *self.args]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=log,
                                          start_new_session=True)
