@@ -38,7 +38,6 @@ import os
 import sys
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "lightning_site.settings")
@@ -48,6 +47,7 @@ from django.core.wsgi import get_wsgi_application  # noqa: E402
 
 _django = get_wsgi_application()  # sets Django up: the imports below need it
 
+from lightning_site import handoff  # noqa: E402
 from lightning_site.metrics import http_latency, http_requests  # noqa: E402
 from store import waits, wakeups  # noqa: E402
 from store.api import fastjson, fastpath  # noqa: E402
@@ -90,7 +90,7 @@ class Front:
                  slots: WaitSlots, fast=None, fast_json=None) -> None:  # noqa: ANN001
         # fast: fastpath.otlp_traces; fast_json: fastjson.route
         self.wsgi, self.fast, self.fast_json = wsgi, fast, fast_json
-        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="web")
+        self.pool = handoff.Pool(threads, name="web")
         self.body_timeout, self.max_body, self.slots = body_timeout, max_body, slots
 
     async def __call__(self, scope: dict, receive, send) -> None:
@@ -102,21 +102,20 @@ class Front:
         body = await self._read_body(scope, receive, send)
         if body is None:
             return
-        loop = asyncio.get_running_loop()
         lean = self._lean(scope)
         if lean is not None:
-            answer = await loop.run_in_executor(self.pool, self._fast, lean, scope, body)
+            answer = await self.pool.run(self._fast, lean, scope, body)
             if answer is not None:
                 await self._send(send, *answer)
                 return
         deferral = waits.Deferral()
-        answer = await loop.run_in_executor(self.pool, self._run, scope, body, deferral)
+        answer = await self.pool.run(self._run, scope, body, deferral)
         plan = deferral.plan
         if plan is not None:
-            answer = await self._wait(loop, scope, body, deferral, plan)
+            answer = await self._wait(scope, body, deferral, plan)
         await self._send(send, *answer)
 
-    async def _wait(self, loop, scope: dict, body: bytes, deferral: waits.Deferral,
+    async def _wait(self, scope: dict, body: bytes, deferral: waits.Deferral,
                     plan: waits.Plan) -> tuple:
         """The view would sleep: wait on the loop, rerun, until it answers without a plan."""
         key = (plan.project_id, deferral.key)
@@ -136,8 +135,7 @@ class Front:
                 if pause > 0:
                     await asyncio.sleep(pause)
                 deferral = waits.Deferral(deadline=plan.deadline, key=deferral.key)
-                answer = await loop.run_in_executor(self.pool, self._run, scope, body,
-                                                    deferral)
+                answer = await self.pool.run(self._run, scope, body, deferral)
                 if deferral.plan is None:
                     return answer
                 plan = deferral.plan
@@ -230,7 +228,7 @@ class Front:
             if message["type"] == "lifespan.startup":
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
-                self.pool.shutdown(wait=False, cancel_futures=True)
+                self.pool.shutdown()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
