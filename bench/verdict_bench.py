@@ -1,4 +1,4 @@
-"""A runner's "succeeded" verdict in-process, on Postgres: the one-statement common case
+"""A runner's "succeeded" verdict in-process, on Postgres: the one-statement final verdict
 (store/services/_verdict.py) against the full path (`attempt_update_many`: BEGIN, the locking
 read, the write, COMMIT), alternating in rounds over claimed rollouts. Prints the CPU per
 verdict of this process (Python) and of its Postgres backend (from /proc; run it on the

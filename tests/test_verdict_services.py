@@ -1,6 +1,6 @@
-"""A bare "succeeded" verdict in one statement (store/services/_verdict.py) leaves the same
-rows as the full path (`attempt_update_many`), and declines every case it does not cover,
-which the full path then answers. On SQLite both calls take the full path."""
+"""A bare final verdict in one statement (store/services/_verdict.py) leaves the same rows as
+the full path (`attempt_update_many`), and declines every case it does not cover, which the
+full path then answers. On SQLite both calls take the full path."""
 
 from __future__ import annotations
 
@@ -26,14 +26,17 @@ def frozen(monkeypatch):
     monkeypatch.setattr(timezone, "now", lambda: FROZEN)
 
 
-def _common(project, rollout_id, attempt_id):
+def _common(project, rollout_id, attempt_id, status="succeeded", error=None):
+    if error is not None:
+        return services.attempt_finish(project=project, rollout_id=rollout_id,
+                                       attempt_id=attempt_id, status=status, error=error)
     return services.attempt_update(project=project, rollout_id=rollout_id,
-                                   attempt_id=attempt_id, status="succeeded")
+                                   attempt_id=attempt_id, status=status)
 
 
-def _full(project, rollout_id, attempt_id):
-    return services.attempt_update_many(
-        project=project, updates=[AttemptUpdate(rollout_id, attempt_id, "succeeded")])[0]
+def _full(project, rollout_id, attempt_id, status="succeeded", error=None):
+    return services.attempt_update_many(project=project, updates=[
+        AttemptUpdate(rollout_id, attempt_id, status, error=error)])[0]
 
 
 def _rows(rollout_id: str, attempt_id: str) -> dict:
@@ -86,34 +89,43 @@ def _statements(captured) -> list[str]:
     return [q["sql"] for q in captured.captured_queries if q["sql"] not in ("BEGIN", "COMMIT")]
 
 
+@pytest.mark.parametrize("verdict", [
+    {"status": "succeeded"}, {"status": "failed"}, {"status": "failed", "error": "boom"},
+    {"status": "succeeded", "error": ""},
+], ids=["succeeded", "failed", "failed-with-error", "succeeded-with-error"])
 @pytest.mark.parametrize("shape", [
     {}, {"running": True}, {"worker": False}, {"grouped": 1}, {"grouped": 2},
-], ids=["preparing", "running", "no-worker", "completes-its-group", "group-waits"])
-def test_the_one_statement_verdict_leaves_the_rows_of_the_full_path(project, shape):
+    {"config": {"max_attempts": 3, "retry_condition": ["timeout"]}},
+], ids=["preparing", "running", "no-worker", "completes-its-group", "group-waits",
+        "retries-other-failures"])
+def test_the_one_statement_verdict_leaves_the_rows_of_the_full_path(project, shape, verdict):
     (ra, aa), (rb, ab) = _twins(project, **shape)
     completed: list[str] = []
     hooks.on_groups_completed("test", lambda: completed.append("nudged"))
     try:
         with CaptureQueriesContext(connection) as captured:
-            common = _common(project, ra, aa)
+            common = _common(project, ra, aa, **verdict)
         if connection.vendor == "postgresql":
             assert len(_statements(captured)) == 1, _statements(captured)
         nudged_by_common = list(completed)
-        full = _full(project, rb, ab)
+        full = _full(project, rb, ab, **verdict)
     finally:
         hooks._completed_callbacks.pop("test", None)
     assert _rows(ra, aa) == _rows(rb, ab)
+    assert _rows(ra, aa)["rollout"]["status"] == verdict["status"]
     assert nudged_by_common == (["nudged"] if shape.get("grouped") == 1 else [])
     assert completed == nudged_by_common * 2
     for answer in (common, full):
-        assert answer.status == "succeeded" and answer.end_time == FROZEN
+        assert answer.status == verdict["status"] and answer.end_time == FROZEN
+        if "error" in verdict:
+            assert answer.metadata == {"error": verdict["error"]}
     assert (common.metadata, common.worker_id is None) == (full.metadata, full.worker_id is None)
 
 
-def _declined(project, rollout_id, attempt_id):
+def _declined(project, rollout_id, attempt_id, status="succeeded"):
     """The common statement writes nothing here; the full path answers."""
     with CaptureQueriesContext(connection) as captured:
-        answer = _common(project, rollout_id, attempt_id)
+        answer = _common(project, rollout_id, attempt_id, status)
     if connection.vendor == "postgresql":
         assert "pg_notify" in _statements(captured)[0]  # tried first
         assert len(_statements(captured)) > 1  # then the full path
@@ -129,6 +141,15 @@ def test_a_late_verdict_on_an_unresponsive_attempt_keeps_the_watchdogs(project):
     answer = _declined(project, rollout_id, attempt_id)
     assert answer.status == "succeeded"
     assert answer.metadata["store.watchdog_verdict"] == "unresponsive"
+
+
+def test_a_failure_the_config_retries_requeues_the_rollout(project):
+    (rollout_id, attempt_id), _ = _twins(
+        project, config={"max_attempts": 2, "retry_condition": ["failed"]})
+    answer = _declined(project, rollout_id, attempt_id, "failed")
+    assert answer.status == "failed"
+    rows = _rows(rollout_id, attempt_id)
+    assert rows["rollout"]["status"] == "requeuing" and rows["rollout"]["end_time"] is None
 
 
 def test_a_verdict_on_a_cancelled_rollout_changes_the_attempt_only(project):

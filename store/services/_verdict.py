@@ -1,25 +1,27 @@
-"""A runner's "succeeded" verdict in one statement (Postgres, autocommit): the common case of
-`attempt_update_many`, in one round trip instead of four (BEGIN, the locking read, the write,
-COMMIT), with no model instances built on the way in.
+"""A runner's final verdict in one statement (Postgres, autocommit): the common case of
+`attempt_update_many` and `attempt_finish`, in one round trip instead of four (BEGIN, the
+locking read, the write, COMMIT), with no model instances built on the way in. The verdict is
+"succeeded", or "failed" where the rollout's config does not retry it (it fails with it).
 
 The statement does what the full path does for that case, in the same lock order (attempts,
 then rollouts, then workers, then groups: store/services/_rows.py):
 
 - it locks the attempt (FOR NO KEY UPDATE, read as it is once locked) when it is preparing or
   running (and the lean request's key is live);
-- it moves the rollout to succeeded, if the attempt is still its latest and the rollout is not
-  terminal (the UPDATE's conditions are checked again on the row it locked);
-- then the attempt (succeeded, ended now; its deadline and metadata as they were);
+- it moves the rollout to the verdict, if the attempt is still its latest and the rollout is
+  not terminal (the UPDATE's conditions are checked again on the row it locked);
+- then the attempt (the verdict, ended now; its deadline as it was, its metadata too, with
+  `error` merged in when the runner gave one);
 - then its worker, when it names one (idle since now, no current rollout);
 - then the rollout's group, if any (one more finished member; reaching its total writes
   the completion event), and the finished wake-up, sent at commit.
 
 The commit is synchronous (a verdict is durable once acknowledged). Nothing is written unless
-the statement does it all: any other case (another status, a move the rules refuse or make a
-no-op, an attempt that is no longer the latest, a terminal rollout, "latest" for the attempt
-id, fields beside the status, a process with rollouts-finished callbacks) returns None and the
-full path answers it, the same way. tests/test_attempt_services.py holds both paths to the
-same rows.
+the statement does it all: any other case (a failure the config retries, a move the rules
+refuse or make a no-op, a late verdict on an attempt the watchdog gave up on, an attempt that
+is no longer the latest, a terminal rollout, "latest" for the attempt id, fields beside the
+status, a process with rollouts-finished callbacks) returns None and the full path answers it,
+the same way. tests/test_verdict_services.py holds both paths to the same rows.
 """
 
 from __future__ import annotations
@@ -32,31 +34,38 @@ from django.db import connection
 from store import hooks, wakeups
 from store.models import Attempt, Project, Worker
 from store.services._rows import KEY_LIVE_SQL, LiveKey, _columns, fetch_one_prepared, row_instance
-from store.statemachine import ATTEMPT_LIVE, ROLLOUT_TERMINAL, AttemptStatus, WorkerStatus
+from store.statemachine import (
+    ATTEMPT_FINAL,
+    ATTEMPT_LIVE,
+    ROLLOUT_TERMINAL,
+    AttemptStatus,
+    WorkerStatus,
+)
 
 
-def possible(attempt_id: str) -> bool:
-    """Worth trying `succeed`: Postgres in autocommit, a named attempt, no callbacks to call
-    with the finished rollout's row."""
-    return (connection.vendor == "postgresql" and not connection.in_atomic_block
-            and connection.get_autocommit() and attempt_id != "latest"
-            and not hooks._finished_callbacks)
+def possible(attempt_id: str, status: str | None) -> bool:
+    """Worth trying `finish`: a final verdict, Postgres in autocommit, a named attempt, no
+    callbacks to call with the finished rollout's row."""
+    return (status in ATTEMPT_FINAL and connection.vendor == "postgresql"
+            and not connection.in_atomic_block and connection.get_autocommit()
+            and attempt_id != "latest" and not hooks._finished_callbacks)
 
 
-def succeed(project: Project, rollout_id: str, attempt_id: str, now: datetime,
-            live_key: LiveKey | None = None) -> Attempt | None:
-    """The attempt as the statement left it (succeeded), or None, having written nothing:
-    the full path must answer."""
+def finish(project: Project, rollout_id: str, attempt_id: str, status: str, now: datetime,
+           error: str | None = None, live_key: LiveKey | None = None) -> Attempt | None:
+    """The attempt as the statement left it (`status`, a final one), or None, having written
+    nothing: the full path must answer."""
     params = [
         rollout_id, attempt_id, project.pk, *ATTEMPT_LIVE, *(live_key or ()),  # a
-        AttemptStatus.SUCCEEDED, now, *sorted(ROLLOUT_TERMINAL),  # r
-        AttemptStatus.SUCCEEDED, now,  # u
+        status, now, *sorted(ROLLOUT_TERMINAL),  # r
+        status, now, *([] if error is None else [error]),  # u
         project.pk, WorkerStatus.IDLE, now,  # w
         now,  # g
         now,  # c
         wakeups.FINISHED, str(project.pk),
     ]
-    row = fetch_one_prepared(_sql(live_key is not None), params)
+    sql = _sql(live_key is not None, status == AttemptStatus.FAILED, error is not None)
+    row = fetch_one_prepared(sql, params)
     if row is None:
         return None
     width = len(Attempt._meta.concrete_fields)
@@ -83,12 +92,22 @@ def _worker_insert() -> tuple[str, str]:
     return ", ".join(columns), ", ".join(values)
 
 
+# A failed attempt's rollout is retried when its config says so (statemachine's
+# rollout_status_for_attempt, RolloutConfig's defaults): the statement leaves that to the full
+# path.
+_RETRIED = ("COALESCE(r.config->'retry_condition', '[]'::jsonb) @> '[\"failed\"]'::jsonb "
+            "AND a.sequence_id < COALESCE((r.config->>'max_attempts')::int, 1)")
+# `{**metadata, "error": error}` (an attempt's metadata is an object).
+_WITH_ERROR = ("CASE WHEN jsonb_typeof(t.metadata) = 'object' THEN t.metadata "
+               "ELSE '{}'::jsonb END || jsonb_build_object('error', %s::text)")
+
+
 @functools.cache
-def _sql(key_checked: bool) -> str:
+def _sql(key_checked: bool, failed: bool, with_error: bool) -> str:
     worker_columns, worker_values = _worker_insert()
     return (
-        # The attempt, locked, if it may move to succeeded.
-        "WITH a AS (SELECT a.id, a.rollout_id FROM store_attempt a "
+        # The attempt, locked, if it may move to a final status.
+        "WITH a AS (SELECT a.id, a.rollout_id, a.sequence_id FROM store_attempt a "
         "JOIN store_rollout r ON r.id = a.rollout_id "
         "WHERE a.rollout_id = %s AND a.attempt_id = %s AND r.project_id + 0 = %s "
         "AND a.status IN (%s, %s) "
@@ -97,8 +116,10 @@ def _sql(key_checked: bool) -> str:
         # The rollout follows its latest attempt, unless terminal.
         "r AS (UPDATE store_rollout r SET status = %s, end_time = %s::timestamptz FROM a "
         "WHERE r.id = a.rollout_id AND r.latest_attempt_id = a.id "
-        "AND r.status NOT IN (%s, %s, %s) RETURNING r.id, r.group_id), "
-        "u AS (UPDATE store_attempt t SET status = %s, end_time = %s::timestamptz "
+        f"AND r.status NOT IN (%s, %s, %s) {f'AND NOT ({_RETRIED}) ' if failed else ''}"
+        "RETURNING r.id, r.group_id), "
+        "u AS (UPDATE store_attempt t SET status = %s, end_time = %s::timestamptz"
+        f"{f', metadata = {_WITH_ERROR}' if with_error else ''} "
         f"FROM a, r WHERE t.id = a.id RETURNING {_columns(Attempt, 't')}), "
         f"w AS (INSERT INTO store_worker ({worker_columns}) SELECT {worker_values} FROM u "
         "WHERE u.worker_id <> '' ON CONFLICT (project_id, worker_id) DO UPDATE SET "

@@ -62,11 +62,12 @@ def attempt_update(
     live_key: LiveKey | None = None,
 ) -> Attempt:
     """One runner report. `live_key`: a lean request's key (pk, role), checked live by the
-    locking statement (nothing found, NotFound, when it is not). A bare "succeeded" is one
+    locking statement (nothing found, NotFound, when it is not). A bare final verdict is one
     statement on Postgres (store/services/_verdict.py) where it can be."""
-    if (status == AttemptStatus.SUCCEEDED and worker_id is _UNSET and metadata is _UNSET
-            and last_heartbeat_time is None and _verdict.possible(attempt_id)):
-        attempt = _verdict.succeed(project, rollout_id, attempt_id, timezone.now(), live_key)
+    if (worker_id is _UNSET and metadata is _UNSET and last_heartbeat_time is None
+            and _verdict.possible(attempt_id, status)):
+        attempt = _verdict.finish(project, rollout_id, attempt_id, status, timezone.now(),
+                                  live_key=live_key)
         if attempt is not None:
             return attempt
     update = AttemptUpdate(rollout_id, attempt_id, status, worker_id, last_heartbeat_time, metadata)
@@ -82,8 +83,9 @@ def attempt_finish(
     nothing; another final status raises IllegalTransition."""
     if status not in ATTEMPT_FINAL:
         raise InvalidInput("status", f"must be one of {sorted(ATTEMPT_FINAL)}")
-    if status == AttemptStatus.SUCCEEDED and error is None and _verdict.possible(attempt_id):
-        attempt = _verdict.succeed(project, rollout_id, attempt_id, timezone.now())
+    if _verdict.possible(attempt_id, status):
+        attempt = _verdict.finish(project, rollout_id, attempt_id, status, timezone.now(),
+                                  error=error)
         if attempt is not None:
             return attempt
     update = AttemptUpdate(rollout_id, attempt_id, status, error=error)
