@@ -59,7 +59,7 @@ def finish(project: Project, rollout_id: str, attempt_id: str, status: str, now:
         rollout_id, attempt_id, project.pk, *ATTEMPT_LIVE, *(live_key or ()),  # a
         status, now, *sorted(ROLLOUT_TERMINAL),  # r
         status, now, *([] if error is None else [error]),  # u
-        project.pk, WorkerStatus.IDLE, now,  # w
+        *_worker_params(project.pk, now),  # w
         now,  # g
         now,  # c
         wakeups.FINISHED, str(project.pk),
@@ -75,21 +75,32 @@ def finish(project: Project, rollout_id: str, attempt_id: str, status: str, now:
     return row_instance(Attempt, list(row[:width]))
 
 
+# The worker upsert's values (`worker_writes_for_attempts` for a finished attempt: idle since
+# now, no current rollout); the other columns as a new row has them.
+_WORKER_GIVEN = {"project": "%s::bigint", "worker_id": "u.worker_id", "status": "%s::varchar",
+                 "last_idle_time": "%s::timestamptz"}
+
+
 @functools.cache
-def _worker_insert() -> tuple[str, str]:
-    """The worker upsert's columns and values (`worker_writes_for_attempts` for a finished
-    attempt: idle since now, no current rollout; the other columns as a new row has them)."""
-    given = {"project": "%s::bigint", "worker_id": "u.worker_id", "status": "%s::varchar",
-             "last_idle_time": "%s::timestamptz"}
-    columns, values = [], []
+def _worker_insert() -> tuple[str, str, tuple[str, ...]]:
+    """The worker upsert's columns, values, and the names of its parameters in their order
+    (the model's field order)."""
+    columns, values, params = [], [], []
     for field in Worker._meta.concrete_fields:
         if field.primary_key:
             continue
-        if field.name not in given:
+        if field.name not in _WORKER_GIVEN:
             assert field.null and field.get_default() is None, field.name
+        elif "%s" in _WORKER_GIVEN[field.name]:
+            params.append(field.name)
         columns.append(f'"{field.column}"')
-        values.append(given.get(field.name, "NULL"))
-    return ", ".join(columns), ", ".join(values)
+        values.append(_WORKER_GIVEN.get(field.name, "NULL"))
+    return ", ".join(columns), ", ".join(values), tuple(params)
+
+
+def _worker_params(project_id: int, now: datetime) -> list:
+    value = {"project": project_id, "status": WorkerStatus.IDLE, "last_idle_time": now}
+    return [value[name] for name in _worker_insert()[2]]
 
 
 # A failed attempt's rollout is retried when its config says so (statemachine's
@@ -104,7 +115,7 @@ _WITH_ERROR = ("CASE WHEN jsonb_typeof(t.metadata) = 'object' THEN t.metadata "
 
 @functools.cache
 def _sql(key_checked: bool, failed: bool, with_error: bool) -> str:
-    worker_columns, worker_values = _worker_insert()
+    worker_columns, worker_values, _ = _worker_insert()
     return (
         # The attempt, locked, if it may move to a final status.
         "WITH a AS (SELECT a.id, a.rollout_id, a.sequence_id FROM store_attempt a "
