@@ -37,6 +37,12 @@ def remove_rollouts_finished(callback: FinishedCallback) -> None:
         _finished_callbacks.remove(callback)
 
 
+def has_finished_callbacks() -> bool:
+    """Whether this process registered any rollouts-finished callback (a writer that cannot
+    hand them the finished rows leaves the work to one that can)."""
+    return bool(_finished_callbacks)
+
+
 def finished_notices(rollouts: Iterable[Rollout]) -> list[tuple[str, int]]:
     """The wake-ups `notify_rollouts_finished` announces for these rollouts."""
     return [

@@ -34,6 +34,7 @@ from django.db import connection
 from store import hooks, wakeups
 from store.models import Attempt, Project, Worker
 from store.services._rows import KEY_LIVE_SQL, LiveKey, _columns, fetch_one_prepared, row_instance
+from store.services.groups import COMPLETED_NOW_SQL, completed_at_sql
 from store.statemachine import (
     ATTEMPT_FINAL,
     ATTEMPT_LIVE,
@@ -48,7 +49,7 @@ def possible(attempt_id: str, status: str | None) -> bool:
     callbacks to call with the finished rollout's row."""
     return (status in ATTEMPT_FINAL and connection.vendor == "postgresql"
             and not connection.in_atomic_block and connection.get_autocommit()
-            and attempt_id != "latest" and not hooks._finished_callbacks)
+            and attempt_id != "latest" and not hooks.has_finished_callbacks())
 
 
 def finish(project: Project, rollout_id: str, attempt_id: str, status: str, now: datetime,
@@ -138,13 +139,11 @@ def _sql(key_checked: bool, failed: bool, with_error: bool) -> str:
         "current_rollout_id = NULL, current_attempt_id = NULL RETURNING 1), "
         # The group, after the worker (the one lock order): the scalar subquery runs w first.
         "g AS (UPDATE store_rolloutgroup g SET finished = g.finished + 1, "
-        "completed_at = CASE WHEN g.finished + 1 >= g.total THEN "
-        "COALESCE(g.completed_at, %s::timestamptz) END "
+        f"completed_at = {completed_at_sql('1')} "
         "FROM r WHERE g.id = r.group_id AND (SELECT count(*) FROM w) >= 0 "
-        "RETURNING g.id, g.owner, g.finished, g.total), "
+        "RETURNING g.id, g.owner, g.finished, g.total, g.finished - 1 AS before), "
         "c AS (INSERT INTO store_groupcompletion (group_id, owner, created_at) "
-        "SELECT id, owner, %s::timestamptz FROM g "
-        "WHERE finished >= total AND finished - 1 < total AND total > 0 RETURNING owner) "
+        f"SELECT id, owner, %s::timestamptz FROM g WHERE {COMPLETED_NOW_SQL} RETURNING owner) "
         f"SELECT {_columns(Attempt, 'u')}, (SELECT array_agg(owner) FROM c), "
         "pg_notify(%s, %s) FROM u"
     )

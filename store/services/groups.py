@@ -54,21 +54,29 @@ def rollouts_terminal(rollouts: Iterable[Rollout], delta: int = 1,
         transaction.on_commit(lambda: hooks.notify_groups_completed(owners))
 
 
+def completed_at_sql(delta: str) -> str:
+    """A group's `completed_at` once `finished` moved by `delta` (an SQL expression; `g` is
+    the group's row): kept (or now, the parameter) when it is full, else NULL."""
+    return (f"CASE WHEN g.finished + {delta} >= g.total THEN "
+            "COALESCE(g.completed_at, %s::timestamptz) END")
+
+
+# Over the changed groups' rows (finished, total, and `before`, their count before the
+# change): the ones this change completed, which get a completion event.
+COMPLETED_NOW_SQL = "finished >= total AND before < total AND total > 0"
+
 # One statement: the counts in group id order (the lock order), and the completion rows of
 # the groups whose `finished` reached `total` with this change.
-_COUNT_SQL = """
+_COUNT_SQL = f"""
 WITH changed AS (
     UPDATE store_rolloutgroup g
-    SET finished = GREATEST(g.finished + d.n, 0),
-        completed_at = CASE WHEN g.finished + d.n >= g.total THEN
-                           COALESCE(g.completed_at, %s::timestamptz) END
+    SET finished = GREATEST(g.finished + d.n, 0), completed_at = {completed_at_sql("d.n")}
     FROM (SELECT * FROM unnest(%s::bigint[], %s::int[]) AS t(id, n) ORDER BY id) d
     WHERE g.id = d.id
     RETURNING g.id, g.owner, g.finished, g.total, g.finished - d.n AS before
 )
 INSERT INTO store_groupcompletion (group_id, owner, created_at)
-SELECT id, owner, %s::timestamptz FROM changed
-WHERE finished >= total AND before < total AND total > 0
+SELECT id, owner, %s::timestamptz FROM changed WHERE {COMPLETED_NOW_SQL}
 RETURNING group_id, owner
 """
 
