@@ -302,6 +302,9 @@ LLM_GATEWAY_PORT = env_int("LLM_GATEWAY_PORT", 4748, minimum=0)
 LLM_GATEWAY_URL = env_str("LLM_GATEWAY_URL", f"http://{LLM_GATEWAY_HOST}:{LLM_GATEWAY_PORT}/v1")
 # Checkpoint versions kept loaded at once (older ones are dropped when their requests finish).
 LLM_GATEWAY_MAX_VERSIONS = env_int("LLM_GATEWAY_MAX_VERSIONS", 2, minimum=1)
+# Training jobs' models (one per resources id) a project keeps loaded at once; loading one more
+# drops that project's least recently used (trainer/llm/registry.py).
+LLM_GATEWAY_MAX_MODELS_PER_PROJECT = env_int("LLM_GATEWAY_MAX_MODELS_PER_PROJECT", 4, minimum=1)
 # Dynamic batching: requests arriving within this many milliseconds decode together, up to
 # LLM_GATEWAY_MAX_BATCH sequences.
 LLM_GATEWAY_BATCH_WINDOW_MS = env_float("LLM_GATEWAY_BATCH_WINDOW_MS", 5.0, minimum=0.0)

@@ -16,7 +16,9 @@ from store.services import RolloutSpec
 from store.tokens import attempt_token
 from trainer import conventions as c
 from trainer.checkpoints import checkpoint_save_dir
+from trainer.llm.registry import Space
 from trainer.llm.server import ServerThread, build_gateway
+from trainer.models import TrainingJob
 
 pytestmark = pytest.mark.slow
 MESSAGES = [{"role": "user", "content": "abc 7"}]
@@ -166,7 +168,8 @@ def test_hot_reload_under_concurrent_requests(gateway_server, keyed, model_dir, 
         "OPTIONS": {"location": str(tmp_path / "ckpt")}}}
     gateway, base = gateway_server
     project, key, *_ = keyed
-    checkpoint = checkpoint_save_dir(directory=model_dir, name_prefix="jobs/x", step=0)
+    job = TrainingJob.objects.create(project=project, agent="a", algorithm="grpo_lm")
+    checkpoint = checkpoint_save_dir(directory=model_dir, name_prefix=f"jobs/{job.pk}", step=0)
 
     def llm(version):
         return {"llm": {"resource_type": "proxy_llm", "endpoint": f"{base}/v1", "model": "job-x",
@@ -175,6 +178,7 @@ def test_hot_reload_under_concurrent_requests(gateway_server, keyed, model_dir, 
     resources_id = services.resources_add(project=project, resources=llm(0)) \
         .resource_set.resources_id
     rid, aid = started_attempt(project, resources_id)
+    space = Space(project.pk, resources_id, "job-x")
     errors, versions = [], []
 
     def caller():
@@ -188,7 +192,7 @@ def test_hot_reload_under_concurrent_requests(gateway_server, keyed, model_dir, 
 
     client(base, key, rid, aid).chat.completions.create(model="job-x", messages=MESSAGES,
                                                         max_tokens=2)
-    assert gateway.registry.loaded_versions("job-x") == [0]
+    assert gateway.registry.loaded_versions(space) == [0]
     threads = [threading.Thread(target=caller) for _ in range(8)]
     for t in threads:
         t.start()
@@ -196,12 +200,12 @@ def test_hot_reload_under_concurrent_requests(gateway_server, keyed, model_dir, 
         services.resources_update(project=project, resources_id=resources_id,
                                   resources=llm(version))
         gateway.poll_once()
-        assert version in gateway.registry.loaded_versions("job-x")
+        assert version in gateway.registry.loaded_versions(space)
     for t in threads:
         t.join()
     assert errors == []
     assert len(versions) == 48
-    assert gateway.registry.loaded_versions("job-x") == [1, 2]  # at most 2 kept
+    assert gateway.registry.loaded_versions(space) == [1, 2]  # at most 2 kept
     assert len(llm_spans(rid)) == 49
     # The rollout pinned llm version 0, unloaded now: the newest serves it, and says so.
     client(base, key, rid, aid).chat.completions.create(model="job-x", messages=MESSAGES,

@@ -15,6 +15,7 @@ import functools
 import hashlib
 import json
 import queue
+import re
 import secrets
 import sys
 import threading
@@ -104,6 +105,40 @@ def _pinned_llm(project_id: int, resources_id: str | None,
             _pinned.clear()
         _pinned[key] = llm
     return llm
+
+
+class NotYourCheckpoint(Exception):
+    """A published `llm` resource names a checkpoint that is not one of the project's jobs'."""
+
+
+_CHECKPOINT_NAME = re.compile(r"jobs/(\d+)/step-[^/]+")
+_owned: dict[tuple[int, int], bool] = {}
+
+
+def check_checkpoint(llm: dict[str, Any], project_id: int) -> None:
+    """A checkpoint the gateway may load for `project_id`: in the checkpoint storage, under
+    `jobs/<id>/` of one of the project's own training jobs (trainer/services.py names them so).
+    Anything else (another project's job, a path of its own, another storage) is refused: a
+    key must not make the gateway read or serve weights its project did not train."""
+    from trainer.checkpoints import STORAGE_ALIAS
+    from trainer.models import TrainingJob
+
+    checkpoint = llm.get("checkpoint")
+    if not isinstance(checkpoint, dict):
+        raise NotYourCheckpoint("the llm resource's checkpoint is not an object")
+    name = checkpoint.get("name")
+    match = _CHECKPOINT_NAME.fullmatch(name) if isinstance(name, str) else None
+    if checkpoint.get("storage", STORAGE_ALIAS) != STORAGE_ALIAS or match is None:
+        raise NotYourCheckpoint(f"checkpoint {name!r} is not a training job's checkpoint "
+                                f"(jobs/<id>/step-... in storage {STORAGE_ALIAS!r})")
+    key = (project_id, int(match.group(1)))
+    if key not in _owned:
+        if len(_owned) >= _PINNED_MAX:
+            _owned.clear()
+        _owned[key] = TrainingJob.objects.filter(pk=key[1], project_id=project_id).exists()
+    if not _owned[key]:
+        raise NotYourCheckpoint(f"checkpoint {name!r} belongs to no training job of this "
+                                f"project")
 
 
 def llm_resource(resources: dict[str, Any]) -> dict[str, Any] | None:

@@ -37,7 +37,7 @@ from trainer.llm import calls
 from trainer.llm.batcher import Batcher
 from trainer.llm.engine import Engine, PromptTooLong, Sequence_
 from trainer.llm.openai_api import BadRequest, Parsed, chunk, parse, response, usage
-from trainer.llm.registry import Registry, UnknownModel
+from trainer.llm.registry import Registry, Space, UnknownModel
 from trainer.llm.tokenizer import render_chat
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,8 @@ class Gateway:
             self.stop_polling()
 
     async def _health(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok", "models": self.registry.names()})
+        # Unauthenticated: it names nothing (GET /v1/models lists what a key may call).
+        return JSONResponse({"status": "ok"})
 
     async def _metrics(self, request: Request) -> Response:
         """Prometheus text (lightning_gateway_* among them), for `Bearer $METRICS_TOKEN`."""
@@ -124,13 +125,14 @@ class Gateway:
 
     async def _models(self, request: Request) -> Response:
         try:
-            await self._in_thread(self._authorize, request,
-                                    request.path_params.get("rollout_id"),
-                                    request.path_params.get("attempt_id"))
+            project = await self._in_thread(self._authorize, request,
+                                            request.path_params.get("rollout_id"),
+                                            request.path_params.get("attempt_id"))
         except BadRequest as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
         now = int(time.time())
-        names = self.registry.names() if self.upstream is None else [self.upstream.model]
+        names = (self.registry.names(project.pk) if self.upstream is None
+                 else [self.upstream.model])
         return JSONResponse({"object": "list", "data": [
             {"id": name, "object": "model", "created": now, "owned_by": "lightning"}
             for name in names]})
@@ -209,7 +211,7 @@ class Gateway:
         if self.upstream is not None:
             prepared.model_name = parsed.model
             return prepared
-        engine = self._engine(parsed, attribution)
+        engine = self._engine(parsed, project, attribution)
         prepared.engine, prepared.model_name = engine, engine.name
         prepared.prompt_ids = _prompt_ids(engine, parsed)
         try:
@@ -221,13 +223,20 @@ class Gateway:
         prepared.text_of = lambda t: engine.tokenizer.decode([t])
         return prepared
 
-    def _engine(self, parsed: Parsed, attribution: calls.Attribution | None) -> Engine:
+    def _engine(self, parsed: Parsed, project: Project,
+                attribution: calls.Attribution | None) -> Engine:
         try:
             if attribution is not None and attribution.llm is not None:
-                self.watch(attribution.project.pk, attribution.resources_id,
-                           str(attribution.llm["model"]))
-                return self.registry.for_resource(attribution.llm)
-            return self.registry.by_name(parsed.model)
+                try:
+                    calls.check_checkpoint(attribution.llm, project.pk)
+                except calls.NotYourCheckpoint as exc:
+                    raise BadRequest(f"the rollout's llm resource cannot be served: {exc}",
+                                     "model", status=403, code="checkpoint_not_allowed",
+                                     kind="permission_error") from None
+                self.watch(project.pk, attribution.resources_id, str(attribution.llm["model"]))
+                return self.registry.for_resource(attribution.llm, project_id=project.pk,
+                                                  resources_id=attribution.resources_id or "")
+            return self.registry.by_name(parsed.model, project_id=project.pk)
         except UnknownModel:
             raise BadRequest(f"the model '{parsed.model}' does not exist", "model", status=404,
                              code="model_not_found") from None
@@ -342,11 +351,19 @@ class Gateway:
             llm = calls.llm_resource(row.resources) if row is not None else None
             if llm is None or str(llm.get("model")) != model:
                 continue
-            if int(llm.get("version") or 0) not in self.registry.loaded_versions(model):
-                newest = self.registry.loaded_versions(model)
-                if not newest or int(llm.get("version") or 0) > max(newest):
-                    self.registry.for_resource(llm)
-                    loaded += 1
+            space = Space(project_id, resources_id, model)
+            version, newest = int(llm.get("version") or 0), self.registry.loaded_versions(space)
+            if not newest or version > max(newest):
+                try:
+                    calls.check_checkpoint(llm, project_id)
+                except calls.NotYourCheckpoint as exc:
+                    with self._watch_lock:  # said once, then no longer followed
+                        self._watched.pop((project_id, resources_id), None)
+                    log.warning("model %s: not loading version %s: %s", space, version, exc)
+                    continue
+                self.registry.for_resource(llm, project_id=project_id,
+                                           resources_id=resources_id)
+                loaded += 1
         return loaded
 
     def _poll_loop(self) -> None:

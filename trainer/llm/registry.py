@@ -1,20 +1,31 @@
 """Which checkpoint versions the gateway has loaded, and which one serves a call.
 
-A model is known by name: from LLM_GATEWAY_MODELS (a directory, version 0) or from the `llm`
-resource a training job publishes (trainer/algorithms/grpo_lm.py), which names the model, its
-version and its checkpoint. A call attributed to a rollout that pinned version k is served by
-k while k is loaded, or when k is newer than every loaded version (it is then loaded: a hot
-reload); otherwise by the newest loaded version. At most `max_versions` versions of a model
-stay loaded: the oldest is dropped, and requests already running on it finish on it.
+Models live in namespaces (`Space`), so that no tenant can serve, list or load another's:
+- the deployment's models (LLM_GATEWAY_MODELS: a directory each, version 0), project 0,
+  callable by every project;
+- a training job's models, keyed by (project, resources id, model name): the `llm` resource a
+  job publishes (trainer/algorithms/grpo_lm.py) names the model, its version and its
+  checkpoint. Two jobs that publish the same model name and versions never share an engine,
+  and a key can publish only into its own project's resources, so it cannot reach another
+  project's calls.
 
-A poller (`watch`) follows the resources ids of the jobs whose calls it served and loads each
-newly published version as soon as the store has it.
+A call attributed to a rollout that pinned version k of its resources is served by k while k
+is loaded, or when k is newer than every loaded version (it is then loaded: a hot reload);
+otherwise by the newest loaded version. At most `max_versions` versions of a space stay
+loaded (the oldest is dropped; requests already running on it finish on it), and at most
+`max_spaces` spaces per project (the least recently used is dropped). An unattributed call
+names a model: its own project's most recently used space of that name, else the
+deployment's.
+
+A poller (gateway.watch) follows the resources ids of the jobs whose calls it served and loads
+each newly published version as soon as the store has it.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,60 +33,90 @@ from typing import Any
 from trainer.llm.engine import Engine
 
 log = logging.getLogger(__name__)
+DEPLOYMENT = 0  # the project id of the deployment's own models
 
 
 class UnknownModel(LookupError):
     pass
 
 
+@dataclass(frozen=True)
+class Space:
+    project_id: int
+    resources_id: str
+    model: str
+
+
 @dataclass
 class _Model:
     versions: dict[int, Engine] = field(default_factory=dict)
     load_lock: threading.Lock = field(default_factory=threading.Lock)
+    used: float = 0.0  # time.monotonic() of the last call served
 
     def newest(self) -> Engine | None:
         return self.versions[max(self.versions)] if self.versions else None
 
 
 class Registry:
-    def __init__(self, *, max_versions: int = 2,
+    def __init__(self, *, max_versions: int = 2, max_spaces: int = 4,
                  loader: Callable[[dict[str, Any], str, int], Engine] | None = None) -> None:
         self.max_versions = max_versions
-        self._models: dict[str, _Model] = {}
+        self.max_spaces = max_spaces  # per project
+        self._models: dict[Space, _Model] = {}
         self._lock = threading.Lock()
         self._loader = loader or _load_checkpoint
         self.loads = 0  # versions loaded so far (hot reloads included)
 
     def add_directory(self, name: str, path: str, version: int = 0) -> Engine:
-        return self._install(name, version, lambda: Engine(path, version=version, name=name))
+        return self._install(Space(DEPLOYMENT, "", name), version,
+                             lambda: Engine(path, version=version, name=name))
 
-    def names(self) -> list[str]:
+    def names(self, project_id: int = DEPLOYMENT) -> list[str]:
+        """The model names a project may call: the deployment's and its own."""
         with self._lock:
-            return sorted(n for n, m in self._models.items() if m.versions)
+            return sorted({s.model for s, m in self._models.items()
+                           if m.versions and s.project_id in (DEPLOYMENT, project_id)})
 
-    def loaded_versions(self, name: str) -> list[int]:
+    def spaces(self, project_id: int) -> list[Space]:
         with self._lock:
-            model = self._models.get(name)
+            return [s for s, m in self._models.items() if m.versions and s.project_id == project_id]
+
+    def loaded_versions(self, space: Space | str) -> list[int]:
+        """The versions loaded in a space (a bare name: the deployment's model)."""
+        if isinstance(space, str):
+            space = Space(DEPLOYMENT, "", space)
+        with self._lock:
+            model = self._models.get(space)
             return sorted(model.versions) if model else []
 
-    def by_name(self, name: str) -> Engine:
-        """The newest loaded version of a model (unattributed calls)."""
+    def by_name(self, name: str, *, project_id: int = DEPLOYMENT) -> Engine:
+        """The newest loaded version of a model for an unattributed call of `project_id`:
+        its own most recently used space of that name, else the deployment's model."""
         with self._lock:
-            model = self._models.get(name)
+            own = [(m.used, m) for s, m in self._models.items()
+                   if s.project_id == project_id != DEPLOYMENT and s.model == name and m.versions]
+            model = max(own, key=lambda pair: pair[0])[1] if own else \
+                self._models.get(Space(DEPLOYMENT, "", name))
             engine = model.newest() if model else None
+            if model is not None:
+                model.used = time.monotonic()
         if engine is None:
             raise UnknownModel(name)
         return engine
 
-    def for_resource(self, llm: dict[str, Any]) -> Engine:
-        """The engine for a call whose rollout pinned this `llm` resource (see the module
-        docstring for which version serves it)."""
+    def for_resource(self, llm: dict[str, Any], *, project_id: int,
+                     resources_id: str) -> Engine:
+        """The engine for a call whose rollout pinned this `llm` resource of the project's
+        resources `resources_id` (see the module docstring for which version serves it)."""
         name, version = str(llm["model"]), int(llm.get("version") or 0)
+        space = Space(project_id, resources_id, name)
         with self._lock:
-            model = self._models.setdefault(name, _Model())
-            if version in model.versions:
-                return model.versions[version]
-            newest = model.newest()
+            model = self._models.get(space)
+            if model is not None:
+                model.used = time.monotonic()
+                if version in model.versions:
+                    return model.versions[version]
+            newest = model.newest() if model is not None else None
         if newest is not None and newest.version > version:
             return newest
         checkpoint = llm.get("checkpoint")
@@ -83,24 +124,38 @@ class Registry:
             if newest is not None:
                 return newest
             raise UnknownModel(name)
-        return self._install(name, version, lambda: self._loader(checkpoint, name, version))
+        return self._install(space, version, lambda: self._loader(checkpoint, name, version))
 
-    def _install(self, name: str, version: int, load: Callable[[], Engine]) -> Engine:
+    def _install(self, space: Space, version: int, load: Callable[[], Engine]) -> Engine:
         with self._lock:
-            model = self._models.setdefault(name, _Model())
-        with model.load_lock:  # one load per model at a time; others wait, then find it
+            model = self._models.setdefault(space, _Model(used=time.monotonic()))
+        with model.load_lock:  # one load per space at a time; others wait, then find it
             with self._lock:
                 if version in model.versions:
                     return model.versions[version]
             engine = load()  # outside the registry's lock: other models keep serving
             with self._lock:
+                self._models[space] = model  # back, if it was dropped while loading
                 model.versions[version] = engine
                 self.loads += 1
                 while len(model.versions) > self.max_versions:
                     dropped = model.versions.pop(min(model.versions))
-                    log.debug("model %s: version %s unloaded", name, dropped.version)
-            log.debug("model %s: version %s loaded from %s", name, version, engine.path)
+                    log.debug("model %s: version %s unloaded", space, dropped.version)
+                self._cap_spaces(space)
+            log.debug("model %s: version %s loaded from %s", space, version, engine.path)
             return engine
+
+    def _cap_spaces(self, keep: Space) -> None:
+        """Drop a project's least recently used spaces beyond max_spaces (under the lock)."""
+        if keep.project_id == DEPLOYMENT:
+            return
+        own = sorted(((m.used, s) for s, m in self._models.items()
+                      if s.project_id == keep.project_id and s != keep), key=lambda p: p[0])
+        while len(own) + 1 > self.max_spaces:
+            _, space = own.pop(0)
+            del self._models[space]
+            log.info("model %s unloaded: project %s keeps at most %d models loaded",
+                     space, space.project_id, self.max_spaces)
 
 
 def _load_checkpoint(checkpoint: dict[str, Any], name: str, version: int) -> Engine:
