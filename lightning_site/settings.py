@@ -305,6 +305,12 @@ LLM_GATEWAY_MAX_VERSIONS = env_int("LLM_GATEWAY_MAX_VERSIONS", 2, minimum=1)
 # Training jobs' models (one per resources id) a project keeps loaded at once; loading one more
 # drops that project's least recently used (trainer/llm/registry.py).
 LLM_GATEWAY_MAX_MODELS_PER_PROJECT = env_int("LLM_GATEWAY_MAX_MODELS_PER_PROJECT", 4, minimum=1)
+# Limits a gateway request meets before any work is done for it: body size (413), the time its
+# body may take to arrive (408), and max_tokens (400).
+LLM_GATEWAY_MAX_BODY_BYTES = env_int("LLM_GATEWAY_MAX_BODY_BYTES", 4 * 2**20, minimum=1024)
+LLM_GATEWAY_BODY_TIMEOUT_SECONDS = env_float("LLM_GATEWAY_BODY_TIMEOUT_SECONDS", 30.0,
+                                             minimum=0.1)
+LLM_GATEWAY_MAX_TOKENS = env_int("LLM_GATEWAY_MAX_TOKENS", 4096, minimum=1)
 # Dynamic batching: requests arriving within this many milliseconds decode together, up to
 # LLM_GATEWAY_MAX_BATCH sequences.
 LLM_GATEWAY_BATCH_WINDOW_MS = env_float("LLM_GATEWAY_BATCH_WINDOW_MS", 5.0, minimum=0.0)

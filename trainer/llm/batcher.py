@@ -77,10 +77,29 @@ class Batcher:
         self.largest = max(self.largest, len(sequences))
         try:
             jobs[0].engine.generate(sequences)
-        except BaseException as exc:  # every waiter learns of it; the loop goes on
-            log.exception("batch of %d sequences failed", len(sequences))
-            for job in jobs:
-                job.error = exc
+        except BaseException as exc:
+            if len(jobs) == 1:
+                log.exception("a request of %d sequences failed", len(sequences))
+                jobs[0].error = exc
+            else:  # one bad request must not fail its neighbours: each again, alone
+                log.warning("batch of %d requests failed (%s); decoding each alone",
+                            len(jobs), exc)
+                for job in jobs:
+                    self._alone(job)
         finally:
             for job in jobs:
                 job.done.set()
+
+    @staticmethod
+    def _alone(job: Job) -> None:
+        if any(seq.on_token is not None and seq.token_ids for seq in job.sequences):
+            # Its tokens were already streamed to the caller: it cannot start over.
+            job.error = RuntimeError("the batch this streamed request decoded in failed")
+            return
+        for seq in job.sequences:
+            seq.reset()
+        try:
+            job.engine.generate(job.sequences)
+        except Exception as exc:  # this request's own failure
+            log.exception("a request of %d sequences failed", len(job.sequences))
+            job.error = exc

@@ -15,7 +15,7 @@ import inspect
 import math
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,15 @@ class Sequence_:
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+    def reset(self) -> None:
+        """Back to before decoding (the batcher decodes a failed batch's requests again,
+        each alone)."""
+        for f in fields(self):
+            if f.name in ("prompt_ids", "params", "index", "on_token"):
+                continue
+            setattr(self, f.name, f.default_factory() if f.default_factory is not MISSING
+                    else f.default)
 
 
 def pick_device() -> str:
@@ -182,7 +191,8 @@ def _generator(seed: int | None, index: int) -> torch.Generator:
     if seed is None:
         generator.seed()
     else:
-        generator.manual_seed(int(seed) * 1_000_003 + index)
+        # Any 64-bit seed (OpenAI's clients send them): torch takes at most 2**64 - 1.
+        generator.manual_seed((int(seed) * 1_000_003 + index) % 2**63)
     return generator
 
 

@@ -46,8 +46,13 @@ DB_THREADS = 64  # each call holds one while it waits for its batch
 
 class Gateway:
     def __init__(self, *, registry: Registry | None = None, batcher: Batcher | None = None,
-                 upstream: Any = None, poll_seconds: float = 1.0) -> None:
+                 upstream: Any = None, poll_seconds: float = 1.0,
+                 max_body_bytes: int = 4 * 2**20, body_timeout: float = 30.0,
+                 max_tokens: int | None = 4096) -> None:
         self.registry = registry or Registry()
+        # Limits a request meets before any work is done for it (README "Model gateway").
+        self.max_body_bytes, self.body_timeout = max_body_bytes, body_timeout
+        self.max_tokens = max_tokens
         self.batcher = batcher or Batcher()
         self.upstream = upstream  # trainer.llm.upstream.Upstream, or None: local engines
         self.recorder = calls.Recorder()
@@ -146,18 +151,17 @@ class Gateway:
     async def _complete(self, request: Request, kind: str) -> Response:
         started = time.time()
         try:
-            raw = await request.body()
-            try:
-                body = json.loads(raw)
-            except ValueError:
-                raise BadRequest("the request body is not valid JSON") from None
-            parsed = parse(body, kind)
+            # The key first: nothing of an unauthenticated body is read or parsed.
+            project = await self._in_thread(self._authorize, request,
+                                            *_attributed_ids(request))
+            body = _json(await self._body(request))
+            parsed = parse(body, kind, max_tokens_cap=self.max_tokens)
             if parsed.stream:
-                prepared = await self._in_thread(self._prepare, request, parsed)
+                prepared = await self._in_thread(self._prepare, request, parsed, project)
                 return StreamingResponse(self._stream(prepared, started),
                                          media_type="text/event-stream")
             # One trip to a worker thread: prepare, generate (waiting for its batch), record.
-            prepared = await self._in_thread(self._call, request, parsed, started)
+            prepared = await self._in_thread(self._call, request, parsed, started, project)
         except BadRequest as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
         body = response(parsed, rid=prepared.rid, model=prepared.model_name,
@@ -168,6 +172,24 @@ class Gateway:
         engine = prepared.engine_seconds * 1000
         timing = f"engine;dur={engine:.2f}, gateway;dur={total - engine:.2f}"
         return JSONResponse(body, headers={"Server-Timing": timing})
+
+    async def _body(self, request: Request) -> bytes:
+        """The body, at most max_body_bytes, within body_timeout (else 413 / 408)."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise _too_large(self.max_body_bytes)
+        chunks, size = [], 0
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                async for part in request.stream():
+                    size += len(part)
+                    if size > self.max_body_bytes:
+                        raise _too_large(self.max_body_bytes)
+                    chunks.append(part)
+        except TimeoutError:
+            raise BadRequest(f"the request body did not arrive within {self.body_timeout:g} s",
+                             status=408, code="request_timeout") from None
+        return b"".join(chunks)
 
     # --- the steps of a call (in worker threads: they touch the database) --------------------
     def _authorize(self, request: Request, rollout_id: str | None = None,
@@ -191,12 +213,13 @@ class Gateway:
                              kind="authentication_error")
         return key.project
 
-    def _prepare(self, request: Request, parsed: Parsed) -> _Prepared:
-        rollout_id = request.path_params.get("rollout_id") or request.headers.get("x-rollout-id")
-        attempt_id = request.path_params.get("attempt_id") or request.headers.get("x-attempt-id")
+    def _prepare(self, request: Request, parsed: Parsed,
+                 project: Project | None = None) -> _Prepared:
+        rollout_id, attempt_id = _attributed_ids(request)
         if bool(rollout_id) != bool(attempt_id):
             raise BadRequest("attribution needs both a rollout id and an attempt id")
-        project = self._authorize(request, rollout_id, attempt_id)
+        if project is None:
+            project = self._authorize(request, rollout_id, attempt_id)
         attribution = None
         if rollout_id:
             try:
@@ -241,8 +264,9 @@ class Gateway:
             raise BadRequest(f"the model '{parsed.model}' does not exist", "model", status=404,
                              code="model_not_found") from None
 
-    def _call(self, request: Request, parsed: Parsed, started: float) -> _Prepared:
-        prepared = self._prepare(request, parsed)
+    def _call(self, request: Request, parsed: Parsed, started: float,
+              project: Project | None = None) -> _Prepared:
+        prepared = self._prepare(request, parsed, project)
         self._generate(prepared)
         self._record(prepared, started)
         return prepared
@@ -401,15 +425,86 @@ class _Prepared:
 
 def _prompt_ids(engine: Engine, parsed: Parsed) -> list[int]:
     body = parsed.body
+    field = "messages" if parsed.kind == "chat" else "prompt"
+    _check_prompt_size(engine, parsed)
     try:
         if parsed.kind == "chat":
             return render_chat(engine.tokenizer, body["messages"])
         prompt = body["prompt"]
         if isinstance(prompt, list):
+            vocab = _vocab_size(engine)
+            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise BadRequest(f"token id {bad} is outside this model's vocabulary "
+                                 f"(0..{vocab - 1})", "prompt")
             return [int(t) for t in prompt]
         return [int(t) for t in engine.tokenizer(prompt)["input_ids"]]
     except ValueError as exc:
-        raise BadRequest(str(exc), "messages") from None
+        raise BadRequest(str(exc), field) from None
+
+
+def _check_prompt_size(engine: Engine, parsed: Parsed) -> None:
+    """A prompt too long for the context is refused before tokenizing it: no token of this
+    vocabulary spans more than `longest` characters, so a text of more than
+    context x longest characters cannot fit."""
+    body = parsed.body
+    if parsed.kind == "chat":
+        chars = sum(len(m["content"]) if isinstance(m.get("content"), str) else
+                    sum(len(p["text"]) for p in m.get("content") or []) for m in body["messages"])
+    elif isinstance(body["prompt"], str):
+        chars = len(body["prompt"])
+    else:
+        return
+    limit = engine.context * _longest_token(engine)
+    if chars > limit:
+        raise BadRequest(f"the prompt is {chars} characters, more than this model's context "
+                         f"({engine.context} tokens) can hold",
+                         "messages" if parsed.kind == "chat" else "prompt",
+                         code="context_length_exceeded")
+
+
+_token_facts: dict[int, tuple[int, int]] = {}  # id(tokenizer) -> (vocabulary size, longest)
+
+
+def _facts(engine: Engine) -> tuple[int, int]:
+    key = id(engine.tokenizer)
+    if key not in _token_facts:
+        # An id must have a row in the model's embedding and a token in the tokenizer.
+        size = len(engine.tokenizer)
+        size = min(size, int(getattr(engine.model.config, "vocab_size", 0) or size))
+        longest = max((len(token) for token in engine.tokenizer.get_vocab()), default=1)
+        _token_facts[key] = (size, max(longest, 1))
+    return _token_facts[key]
+
+
+def _vocab_size(engine: Engine) -> int:
+    return _facts(engine)[0]
+
+
+def _longest_token(engine: Engine) -> int:
+    return _facts(engine)[1]
+
+
+def _attributed_ids(request: Request) -> tuple[str | None, str | None]:
+    rollout_id = request.path_params.get("rollout_id") or request.headers.get("x-rollout-id")
+    attempt_id = request.path_params.get("attempt_id") or request.headers.get("x-attempt-id")
+    if "\x00" in (rollout_id or "") + (attempt_id or ""):  # no id holds one (nor can the store)
+        raise BadRequest("no such rollout or attempt", status=404, code="not_found")
+    return rollout_id, attempt_id
+
+
+def _json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise BadRequest("the request body is nested too deeply") from None
+    except ValueError:
+        raise BadRequest("the request body is not valid JSON") from None
+
+
+def _too_large(limit: int) -> BadRequest:
+    return BadRequest(f"the request body is larger than {limit} bytes", status=413,
+                      code="request_too_large")
 
 
 def _sse(payload: dict[str, Any]) -> str:

@@ -16,6 +16,9 @@ from trainer.llm.engine import Params, Sequence_
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
+# A positive temperature below this is decoded greedily (as 0): dividing logits by less
+# overflows float32 and the sampling distribution becomes NaN.
+MIN_TEMPERATURE = 1e-6
 
 
 class BadRequest(ValueError):
@@ -46,9 +49,12 @@ class Parsed:
         return [Sequence_(list(prompt_ids), self.params, index=i) for i in range(self.n)]
 
 
-def parse(body: Any, kind: str) -> Parsed:
+def parse(body: Any, kind: str, *, max_tokens_cap: int | None = None) -> Parsed:
+    """A request checked so that nothing it carries can fail inside the shared decode or
+    the recording: every bad value is a 400 naming the field."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    _check_strings(body)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' is required and must be a string", "model")
@@ -60,9 +66,7 @@ def parse(body: Any, kind: str) -> Parsed:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise BadRequest(f"messages[{i}] must be an object with a 'role'",
                                  f"messages[{i}]")
-            if not isinstance(m.get("content"), str | list | type(None)):
-                raise BadRequest(f"messages[{i}].content must be a string or a list",
-                                 f"messages[{i}].content")
+            _check_content(m.get("content"), f"messages[{i}].content")
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str) and not (
@@ -71,15 +75,17 @@ def parse(body: Any, kind: str) -> Parsed:
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens", 16))
     if max_tokens is None:
         max_tokens = 16
-    _integer(max_tokens, "max_tokens", 1)
+    _integer(max_tokens, "max_tokens", 1, max_tokens_cap)
     temperature = _number(body.get("temperature", 1.0), "temperature", 0.0, 2.0)
+    if temperature < MIN_TEMPERATURE:  # logits / 1e-39 overflow to NaN: decoded greedily
+        temperature = 0.0
     top_p = _number(body.get("top_p", 1.0), "top_p", 0.0, 1.0)
     if top_p == 0:
         raise BadRequest("'top_p' must be greater than 0", "top_p")
     n = _integer(body.get("n", 1), "n", 1, MAX_N)
     seed = body.get("seed")
     if seed is not None:
-        _integer(seed, "seed")
+        _integer(seed, "seed", -(2**63), 2**64 - 1)
     stop = body.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()
@@ -112,6 +118,42 @@ def parse(body: Any, kind: str) -> Parsed:
         return_token_ids=_boolean(body.get("return_token_ids", False), "return_token_ids"),
         include_usage=bool(options.get("include_usage")),
     )
+
+
+def _check_content(content: Any, name: str) -> None:
+    if content is None or isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise BadRequest(f"'{name}' must be a string or a list of content parts", name)
+    for j, part in enumerate(content):
+        if not (isinstance(part, dict) and part.get("type", "text") == "text"
+                and isinstance(part.get("text"), str)):
+            raise BadRequest(f"'{name}[{j}]' must be a text part: "
+                             '{"type": "text", "text": "..."} (only text is supported)',
+                             f"{name}[{j}]")
+
+
+def _check_strings(body: dict[str, Any]) -> None:
+    """No string anywhere in the body holds NUL (the store cannot keep it) or a lone
+    surrogate (not text: the tokenizer cannot encode it). Iterative: any depth json.loads
+    accepted."""
+    stack: list[tuple[Any, str]] = [(body, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if "\x00" in value:
+                raise BadRequest(f"'{path}' contains a NUL character", path or None)
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise BadRequest(f"'{path}' is not valid text (a lone surrogate)",
+                                 path or None) from None
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((key, path or "body"))
+                stack.append((item, f"{path}.{key}" if path else key))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]") for i, item in enumerate(value))
 
 
 def _boolean(value: Any, name: str) -> bool:

@@ -38,6 +38,9 @@ def build_gateway(*, models: list[str] | None = None, upstream_url: str | None =
         batcher=Batcher(window=settings.LLM_GATEWAY_BATCH_WINDOW_MS / 1000,
                         max_batch=settings.LLM_GATEWAY_MAX_BATCH),
         upstream=upstream, poll_seconds=settings.LLM_GATEWAY_POLL_SECONDS,
+        max_body_bytes=settings.LLM_GATEWAY_MAX_BODY_BYTES,
+        body_timeout=settings.LLM_GATEWAY_BODY_TIMEOUT_SECONDS,
+        max_tokens=settings.LLM_GATEWAY_MAX_TOKENS,
     )
     for spec in [*settings.LLM_GATEWAY_MODELS, *(models or [])]:
         name, sep, path = spec.partition("=")
