@@ -30,4 +30,6 @@ LLM_PROMPT_IDS = "prompt_token_ids"  # list[int]
 LLM_RESPONSE_IDS = "response_token_ids"  # list[int]
 LLM_LOGPROBS = "lightning.llm.logprobs"  # list[float]: per response token, temperature 1
 LLM_VERSION = "lightning.llm.version"  # int: the checkpoint version that generated it
+# str: sha256 of the request body, which binds an idempotency key to it (trainer/llm/calls.py)
+LLM_REQUEST_SHA256 = "lightning.llm.request_sha256"
 LLM_FINISH = "gen_ai.response.finish_reasons"

@@ -130,3 +130,49 @@ def test_a_batch_that_fails_decodes_each_request_alone(gateway_server):
     assert bad.error is not None
     assert good.error is None and good.sequences[0].done
     assert batcher.batches == 1
+
+
+def test_a_checkpoint_that_does_not_load_is_422_and_stops_no_other_preload(
+        gateway_server, keyed, model_dir, settings, tmp_path, caplog):
+    from store import services
+    from trainer.checkpoints import checkpoint_save_dir
+    from trainer.llm.registry import Space
+    from trainer.models import TrainingJob
+
+    from .test_gateway import client, started_attempt
+
+    settings.STORAGES = {**settings.STORAGES, "checkpoints": {
+        "BACKEND": "django.core.files.storage.FileSystemStorage",
+        "OPTIONS": {"location": str(tmp_path / "ckpt")}}}
+    gateway, base = gateway_server
+    project, key, *_ = keyed
+    job = TrainingJob.objects.create(project=project, agent="a", algorithm="grpo_lm")
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "config.json").write_text("{not json")
+    broken = checkpoint_save_dir(directory=junk, name_prefix=f"jobs/{job.pk}", step=1)
+    good = checkpoint_save_dir(directory=model_dir, name_prefix=f"jobs/{job.pk}", step=0)
+
+    def llm(model, checkpoint):
+        return {"llm": {"resource_type": "proxy_llm", "endpoint": f"{base}/v1", "model": model,
+                        "version": 0, "checkpoint": checkpoint}}
+
+    bad_res = services.resources_add(project=project, resources=llm("bad", broken)) \
+        .resource_set.resources_id
+    good_res = services.resources_add(project=project, resources=llm("good", good)) \
+        .resource_set.resources_id
+    rid, aid = started_attempt(project, bad_res)
+    with pytest.raises(Exception) as caught:
+        client(base, key, rid, aid).chat.completions.create(
+            model="bad", messages=MESSAGES, max_tokens=2)
+    assert caught.value.status_code == 422
+    assert caught.value.body["code"] == "checkpoint_unavailable"
+
+    # Both followed; the bad one first: the good one still loads, the bad one is said once.
+    gateway._watched.clear()
+    gateway.watch(project.pk, bad_res, "bad")
+    gateway.watch(project.pk, good_res, "good")
+    assert gateway.poll_once() == 1
+    assert gateway.registry.loaded_versions(Space(project.pk, good_res, "good")) == [0]
+    assert gateway.poll_once() == 0
+    assert sum("does not load" in r.getMessage() for r in caplog.records) == 1

@@ -26,7 +26,7 @@ from django.db import connection
 
 from store import services as store_services
 from store.errors import NotFound
-from store.models import Attempt, Project, ResourceVersion, Rollout
+from store.models import Attempt, Project, ResourceVersion, Rollout, Span
 from store.statemachine import ATTEMPT_ENDED, ROLLOUT_TERMINAL
 from trainer import conventions as c
 from trainer.llm.engine import Sequence_
@@ -165,6 +165,7 @@ class Call:
     response_id: str
     idempotency_key: str | None = None
     token_text: Any = None  # callable: token id -> its text (for logprobs.content)
+    request_sha256: str | None = None  # binds the idempotency key to this body
 
 
 def response_id(kind: str, key: str | None) -> str:
@@ -172,6 +173,32 @@ def response_id(kind: str, key: str | None) -> str:
     if key:
         return prefix + hashlib.sha256(key.encode()).hexdigest()[:24]
     return prefix + secrets.token_hex(12)
+
+
+class KeyReused(Exception):
+    """An idempotency key already recorded for this attempt with another request body."""
+
+
+def request_sha256(body: dict[str, Any]) -> str:
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def check_key(attribution: Attribution, key: str, digest: str) -> None:
+    """A retried request (same key) must carry the same body: else its answer would go out
+    under the first call's response id and the store would keep a mix of both calls."""
+    span_id = _keyed_ids(attribution.attempt_id, key, 0)[1]
+    stored = (Span.objects.filter(attempt__rollout_id=attribution.rollout_id,
+                                  attempt__attempt_id=attribution.attempt_id, span_id=span_id)
+              .values_list("attributes", flat=True).first())
+    if stored is not None and stored.get(c.LLM_REQUEST_SHA256, digest) != digest:
+        raise KeyReused(f"the idempotency key {key!r} was used for another request body "
+                        f"in this attempt; use a new key for a new request")
+
+
+def _keyed_ids(attempt_id: str, key: str, index: int) -> tuple[str, str]:
+    digest = hashlib.sha256(f"{attempt_id}:{key}:{index}".encode()).hexdigest()
+    return digest[:32], digest[32:48]
 
 
 def record(attribution: Attribution, call: Call) -> None:
@@ -252,9 +279,7 @@ class _Pending:
 
 def _span(attribution: Attribution, call: Call, index: int, choice: Sequence_) -> dict[str, Any]:
     if call.idempotency_key:
-        seed = f"{attribution.attempt_id}:{call.idempotency_key}:{index}".encode()
-        digest = hashlib.sha256(seed).hexdigest()
-        trace_id, span_id = digest[:32], digest[32:48]
+        trace_id, span_id = _keyed_ids(attribution.attempt_id, call.idempotency_key, index)
     else:
         trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
     request = call.request
@@ -273,6 +298,7 @@ def _span(attribution: Attribution, call: Call, index: int, choice: Sequence_) -
         c.LLM_VERSION: call.version,
         "lightning.llm.latency_ms": round((call.finished - call.started) * 1000, 3),
         "lightning.llm.choice_index": index,
+        **({c.LLM_REQUEST_SHA256: call.request_sha256} if call.request_sha256 else {}),
         "logprobs.content": json.dumps([
             {"token": call.token_text(t) if call.token_text else str(t), "logprob": lp,
              "top_logprobs": [{"token": call.token_text(a) if call.token_text else str(a),

@@ -33,6 +33,7 @@ from store.api.auth import authenticate_key
 from store.errors import NotFound
 from store.models import Project, ResourceVersion
 from store.tokens import attempt_token_project
+from trainer.checkpoints import CheckpointError
 from trainer.llm import calls
 from trainer.llm.batcher import Batcher
 from trainer.llm.engine import Engine, PromptTooLong, Sequence_
@@ -58,6 +59,8 @@ class Gateway:
         self.recorder = calls.Recorder()
         self.poll_seconds = poll_seconds
         self._watched: dict[tuple[int, str], str] = {}
+        self._failures: dict[Space, int] = {}  # failed preloads in a row, per space (backoff)
+        self._retry_at: dict[Space, float] = {}
         self._watch_lock = threading.Lock()
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
@@ -231,6 +234,12 @@ class Gateway:
                 raise BadRequest(str(exc), status=409, code="attempt_finished") from None
         key = request.headers.get("idempotency-key") or request.headers.get("x-request-id")
         prepared = _Prepared(parsed, project, attribution, key)
+        if key and attribution is not None:
+            prepared.request_sha256 = calls.request_sha256(parsed.body)
+            try:
+                calls.check_key(attribution, key, prepared.request_sha256)
+            except calls.KeyReused as exc:
+                raise BadRequest(str(exc), status=422, code="idempotency_key_reused") from None
         if self.upstream is not None:
             prepared.model_name = parsed.model
             return prepared
@@ -260,6 +269,9 @@ class Gateway:
                 return self.registry.for_resource(attribution.llm, project_id=project.pk,
                                                   resources_id=attribution.resources_id or "")
             return self.registry.by_name(parsed.model, project_id=project.pk)
+        except CheckpointError as exc:  # the published checkpoint is broken: the tenant's to fix
+            raise BadRequest(f"the rollout's checkpoint cannot be loaded: {exc}", "model",
+                             status=422, code="checkpoint_unavailable") from None
         except UnknownModel:
             raise BadRequest(f"the model '{parsed.model}' does not exist", "model", status=404,
                              code="model_not_found") from None
@@ -281,6 +293,10 @@ class Gateway:
         self.batcher.run(prepared.engine, prepared.choices)
         prepared.engine_seconds = time.perf_counter() - began
 
+    def _generate_and_record(self, prepared: _Prepared, started: float) -> None:
+        self._generate(prepared)
+        self._record(prepared, started)
+
     def _record(self, prepared: _Prepared, started: float) -> None:
         record_completion(model=prepared.model_name, prompt_tokens=len(prepared.prompt_ids),
                           completion_tokens=sum(len(s.token_ids) for s in prepared.choices),
@@ -292,7 +308,8 @@ class Gateway:
             kind=prepared.parsed.kind, model=prepared.model_name, version=prepared.version,
             request=prepared.parsed.body, prompt_ids=prepared.prompt_ids,
             choices=prepared.choices, started=started, finished=time.time(),
-            response_id=prepared.rid, idempotency_key=prepared.key, token_text=prepared.text_of)
+            response_id=prepared.rid, idempotency_key=prepared.key, token_text=prepared.text_of,
+            request_sha256=prepared.request_sha256)
         self.recorder.record(prepared.attribution, call)
 
     async def _stream(self, prepared: _Prepared, started: float):
@@ -301,6 +318,7 @@ class Gateway:
         parsed, created = prepared.parsed, int(started)
         holdback = max((len(s) for s in parsed.params.stop), default=1) - 1
         sent = [0] * len(prepared.choices)
+        finals: list[dict[str, Any]] = []  # appended by the decode thread, read after it
 
         def on_token(seq: Sequence_, token: int, logprob: float, top: list) -> None:
             end = len(seq.text) if seq.done else max(sent[seq.index], len(seq.text) - holdback)
@@ -315,7 +333,10 @@ class Gateway:
             event = chunk(parsed, rid=prepared.rid, model=prepared.model_name, created=created,
                           index=seq.index, text=text, finish_reason=seq.finish_reason,
                           token_ids=[token], logprobs=lp)
-            loop.call_soon_threadsafe(events.put_nowait, event)
+            if seq.done:  # its last chunk goes out once the call is recorded
+                finals.append(event)
+            else:
+                loop.call_soon_threadsafe(events.put_nowait, event)
 
         if parsed.kind == "chat":
             for seq in prepared.choices:
@@ -324,7 +345,10 @@ class Gateway:
                                  role=True))
         for seq in prepared.choices:
             seq.on_token = on_token
-        work = asyncio.ensure_future(self._in_thread(self._generate, prepared))
+        # Generation and recording in one piece of work that does not depend on this stream:
+        # a client that leaves (even at the last token) does not stop its call being recorded.
+        work = asyncio.ensure_future(self._in_thread(self._generate_and_record, prepared,
+                                                     started))
         while True:
             getter = asyncio.ensure_future(events.get())
             done, _ = await asyncio.wait({getter, work}, return_when=asyncio.FIRST_COMPLETED)
@@ -337,11 +361,18 @@ class Gateway:
             yield _sse(events.get_nowait())
         try:
             work.result()
-            await self._in_thread(self._record, prepared, started)
         except Exception as exc:  # the stream already started: report in-band
             log.exception("streamed call failed")
             yield _sse({"error": {"message": str(exc), "type": "server_error"}})
             return
+        for seq in prepared.choices:
+            if seq.on_token is None:  # an upstream server's answer: forwarded whole
+                finals.append(chunk(parsed, rid=prepared.rid, model=prepared.model_name,
+                                    created=created, index=seq.index, text=seq.text,
+                                    finish_reason=seq.finish_reason, role=True,
+                                    token_ids=list(seq.token_ids)))
+        for event in sorted(finals, key=lambda e: e["choices"][0]["index"]):
+            yield _sse(event)
         if parsed.include_usage:
             yield _sse({"id": prepared.rid, "object": "chat.completion.chunk", "created": created,
                         "model": prepared.model_name, "choices": [],
@@ -376,6 +407,8 @@ class Gateway:
             if llm is None or str(llm.get("model")) != model:
                 continue
             space = Space(project_id, resources_id, model)
+            if self._retry_at.get(space, 0) > time.monotonic():
+                continue  # backing off after a failed load
             version, newest = int(llm.get("version") or 0), self.registry.loaded_versions(space)
             if not newest or version > max(newest):
                 try:
@@ -385,8 +418,23 @@ class Gateway:
                         self._watched.pop((project_id, resources_id), None)
                     log.warning("model %s: not loading version %s: %s", space, version, exc)
                     continue
-                self.registry.for_resource(llm, project_id=project_id,
-                                           resources_id=resources_id)
+                try:
+                    self.registry.for_resource(llm, project_id=project_id,
+                                               resources_id=resources_id)
+                except CheckpointError as exc:  # said once; a later call says it again
+                    with self._watch_lock:
+                        self._watched.pop((project_id, resources_id), None)
+                    log.warning("model %s: version %s does not load (%s); no longer preloaded",
+                                space, version, exc)
+                    continue
+                except Exception as exc:  # the storage is away: this entry again, later
+                    failures = self._failures.get(space, 0) + 1
+                    self._failures[space] = failures
+                    self._retry_at[space] = time.monotonic() + min(2 ** failures, 300)
+                    log.warning("model %s: loading version %s failed (%s); retrying in %d s",
+                                space, version, exc, min(2 ** failures, 300))
+                    continue
+                self._failures.pop(space, None)
                 loaded += 1
         return loaded
 
@@ -416,6 +464,7 @@ class _Prepared:
         self.choices: list[Sequence_] = []
         self.text_of = str
         self.engine_seconds = 0.0  # in the engine's queue and decoding (or the upstream)
+        self.request_sha256: str | None = None
 
     @property
     def version(self) -> int:

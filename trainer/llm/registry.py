@@ -159,6 +159,11 @@ class Registry:
 
 
 def _load_checkpoint(checkpoint: dict[str, Any], name: str, version: int) -> Engine:
-    from trainer.checkpoints import checkpoint_local_dir
+    from trainer.checkpoints import CheckpointError, checkpoint_local_dir
 
-    return Engine(checkpoint_local_dir(checkpoint), version=version, name=name)
+    local = checkpoint_local_dir(checkpoint)  # a storage that is away raises its own error
+    try:
+        return Engine(local, version=version, name=name)
+    except Exception as exc:  # the files are here and are not a model: that will not change
+        raise CheckpointError(f"checkpoint {checkpoint.get('name')!r} is not a model that "
+                              f"loads ({type(exc).__name__}: {exc})") from exc
