@@ -504,10 +504,10 @@ def _check_prompt_size(engine: Engine, parsed: Parsed) -> None:
         chars = len(body["prompt"])
     else:
         return
-    limit = engine.context * _longest_token(engine)
-    if chars > limit:
-        raise BadRequest(f"the prompt is {chars} characters, more than this model's context "
-                         f"({engine.context} tokens) can hold",
+    at_least = -(-chars // _longest_token(engine))  # tokens, whatever the text
+    if at_least >= engine.context:
+        raise BadRequest(f"the prompt is at least {at_least} tokens ({chars} characters); this "
+                         f"model's context is {engine.context} tokens (prompt plus completion)",
                          "messages" if parsed.kind == "chat" else "prompt",
                          code="context_length_exceeded")
 
