@@ -12,10 +12,11 @@ import hmac
 import os
 import time
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 
 from django.conf import settings
 from django.db import connection
-from django.db.models import Count, Q
+from django.db.models import Count, DurationField, ExpressionWrapper, F, Q, Sum
 from django.http import HttpRequest, HttpResponse
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -26,15 +27,17 @@ from prometheus_client import (
     generate_latest,
     multiprocess,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from runners.selectors import queue_states
 from store.models import Attempt, ResourceSet, Rollout, Span
-from store.statemachine import QUEUED
+from store.statemachine import QUEUED, ROLLOUT_TERMINAL
 from trainer import selectors as trainer_selectors
 from trainer.models import JobStatus, StepStatus, TrainingJob
 
+# Rollouts last from milliseconds (a test agent) to an hour (an agent's limit).
+DURATION_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 # Long waits (waits/rollouts, long-polled dequeues) last up to a minute: buckets reach past it.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 90)
 
@@ -98,6 +101,7 @@ class StoreCollector(Collector):
         yield from self._resources_and_workers()
         yield from self._training()
         yield from self._spans()
+        yield from self._durations()
 
     def _resources_and_workers(self) -> Iterator[GaugeMetricFamily]:
         versions = ResourceSet.objects.values_list("project__name", "resources_id", "version")
@@ -125,6 +129,26 @@ class StoreCollector(Collector):
         yield _gauge("lightning_train_step_train_seconds", "Last finished step of each running "
                      "job: seconds spent training", ["job"], iter(train))
 
+    def _durations(self) -> Iterator[HistogramMetricFamily]:
+        """Rollout duration (finished rollouts: enqueued to ended) and queue wait (enqueued to
+        its first attempt), by project and mode: histograms read from the rows, so every
+        process serves the same figures (they fall when store_retain deletes rows)."""
+        finished = (Rollout.objects.filter(end_time__isnull=False, status__in=ROLLOUT_TERMINAL)
+                    .annotate(seconds=ExpressionWrapper(F("end_time") - F("start_time"),
+                                                        output_field=DurationField())))
+        yield _histogram("lightning_rollout_duration_seconds", "Finished rollouts: seconds from "
+                         "enqueued to ended, by project and mode", finished,
+                         "project__name", "mode")
+        first = (Attempt.objects.filter(sequence_id=1)
+                 .annotate(seconds=ExpressionWrapper(F("start_time") - F("rollout__start_time"),
+                                                     output_field=DurationField())))
+        yield _histogram("lightning_rollout_queue_wait_seconds", "Rollouts: seconds from "
+                         "enqueued to their first attempt, by project and mode", first,
+                         "rollout__project__name", "rollout__mode")
+        jobs = TrainingJob.objects.values_list("status").annotate(n=Count("pk")).order_by()
+        yield _gauge("lightning_jobs", "Training jobs by status", ["status"],
+                     (((s,), n) for s, n in jobs))
+
     def _spans(self) -> Iterator[GaugeMetricFamily]:
         if connection.vendor != "postgresql":
             return
@@ -138,6 +162,23 @@ class StoreCollector(Collector):
             yield _gauge("lightning_spans_ingested", "Spans written to the store since its "
                          "statistics were reset (Postgres pg_stat_user_tables)", [],
                          iter([((), row[0])]))
+
+
+def _histogram(name: str, documentation: str, rows, project: str,
+               mode: str) -> HistogramMetricFamily:
+    """One grouped query: per (project, mode), the count at or under each bucket, the total and
+    the sum of `seconds`."""
+    buckets = {f"le{i}": Count("pk", filter=Q(seconds__lte=timedelta(seconds=b)))
+               for i, b in enumerate(DURATION_BUCKETS)}
+    groups = (rows.values(project, mode)
+              .annotate(total=Count("pk"), sum=Sum("seconds"), **buckets).order_by())
+    family = HistogramMetricFamily(name, documentation, labels=["project", "mode"])
+    for g in groups:
+        counts = [(str(float(b)), g[f"le{i}"]) for i, b in enumerate(DURATION_BUCKETS)]
+        total = g["sum"].total_seconds() if g["sum"] is not None else 0.0
+        family.add_metric([g[project], g[mode] or ""], counts + [("+Inf", g["total"])],
+                          sum_value=total)
+    return family
 
 
 _store_registry = CollectorRegistry(auto_describe=False)

@@ -75,6 +75,29 @@ def test_the_scrape_reports_rollouts_queue_depth_attempts_resources_and_requests
                  le="+Inf") >= 1
 
 
+def test_the_scrape_has_rollout_duration_and_queue_wait_histograms_and_jobs(client, settings):
+    """The figures the seeds name (issue 26.6), read from the rows by project and mode."""
+    settings.METRICS_TOKEN = "t"
+    project = services.project_create(name="timed")
+    enqueue(project, 3, mode="train")
+    rollout, attempt = claim(project)
+    services.attempt_finish(project=project, rollout_id=rollout.pk,
+                            attempt_id=attempt.attempt_id, status="succeeded")
+    samples = _samples(client.get("/metrics", headers={"Authorization": "Bearer t"}).text)
+
+    def value(name: str, **labels: str) -> float:
+        return samples[(name, frozenset(labels.items()))]
+
+    labels = {"project": "timed", "mode": "train"}
+    assert value("lightning_rollout_duration_seconds_count", **labels) == 1
+    assert value("lightning_rollout_duration_seconds_bucket", le="+Inf", **labels) == 1
+    assert value("lightning_rollout_duration_seconds_bucket", le="3600.0", **labels) == 1
+    assert 0 <= value("lightning_rollout_duration_seconds_sum", **labels) < 3600
+    assert value("lightning_rollout_queue_wait_seconds_count", **labels) == 1
+    assert value("lightning_rollout_queue_wait_seconds_bucket", le="+Inf", **labels) == 1
+    assert ("lightning_jobs", frozenset({("status", "running")})) not in samples
+
+
 def test_gateway_completions_count_tokens_and_latency():
     def sample(name: str) -> float:
         return REGISTRY.get_sample_value(name, {"model": "tiny"}) or 0.0
@@ -151,3 +174,36 @@ def test_the_sample_dashboard_and_scrape_config_use_what_the_endpoint_serves(cli
     scrape = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())["scrape_configs"][0]
     assert scrape["metrics_path"] == "/metrics"
     assert scrape["authorization"]["type"] == "Bearer"
+
+
+def test_the_alert_rules_name_only_served_metrics_and_check(client, settings):
+    """deploy/alerts.yml: each rule well formed, each metric it reads served (a run's scrape
+    above), and `promtool check rules` passes where promtool is installed."""
+    import shutil
+
+    settings.METRICS_TOKEN = "t"
+    project = services.project_create(name="alerting")
+    enqueue(project, 1)
+    client.get("/v1/agl/health")
+    families = list(text_string_to_metric_families(
+        client.get("/metrics", headers={"Authorization": "Bearer t"}).text))
+    served = {f.name for f in families} | {s.name for f in families for s in f.samples}
+    path = ROOT / "deploy" / "alerts.yml"
+    rules = [rule for group in yaml.safe_load(path.read_text())["groups"]
+             for rule in group["rules"]]
+    assert len(rules) >= 5
+    for rule in rules:
+        assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule
+        assert rule["alert"] and rule["expr"] and rule["annotations"]["summary"]
+        used = set(re.findall(r"\blightning_[a-z_]+", rule["expr"]))
+        assert used and used <= served, (rule["alert"], used - served)
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
+    assert config["rule_files"] == ["alerts.yml"]
+    assert {"web:8000", "gateway:4748", "flower:5555"} <= {
+        target for job in config["scrape_configs"] for c in job["static_configs"]
+        for target in c["targets"]}
+    promtool = shutil.which("promtool")
+    if promtool:
+        checked = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True,
+                                 text=True)
+        assert checked.returncode == 0, checked.stdout + checked.stderr
