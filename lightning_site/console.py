@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import re
+from collections import Counter
 from typing import TextIO
 
 from django.core.management.base import OutputWrapper
@@ -12,11 +14,49 @@ from django.core.management.base import OutputWrapper
 CHATTY_LOGGERS = ("celery", "kombu", "httpx", "httpcore")
 
 
+# Each finished attempt's one-line verdict (the summary and `train_show` say it better).
+VERDICT_LOGGERS = ("runners.executor",)
+# Where a failed task is logged, with its traceback (a broken agent: one per rollout).
+TASK_FAILURE_LOGGER = "celery.app.trace"
+_IDS = re.compile(r"\b(ro|at|rs|gr)-[0-9a-f]{6,}\b|\b[0-9a-f]{8}-[0-9a-f-]{27}\b")
+
+
 def quiet_libraries(verbosity: int) -> None:
-    """Libraries log at WARNING in commands unless `-v 2` or more asks for their detail."""
+    """Libraries log at WARNING in commands unless `-v 2` or more asks for their detail, and a
+    task failure is printed once per kind (see RepeatedFailures)."""
     level = logging.INFO if verbosity >= 2 else logging.WARNING
-    for name in CHATTY_LOGGERS:
+    for name in CHATTY_LOGGERS + VERDICT_LOGGERS:
         logging.getLogger(name).setLevel(level)
+    trace = logging.getLogger(TASK_FAILURE_LOGGER)
+    for old in [f for f in trace.filters if isinstance(f, RepeatedFailures)]:
+        trace.removeFilter(old)
+    if verbosity < 2:
+        trace.addFilter(RepeatedFailures())
+
+
+class RepeatedFailures(logging.Filter):
+    """A failed task is printed once per kind (its error with rollout, attempt and task ids
+    taken out), as one line without the task machinery's traceback; later ones of the same kind
+    are counted in `seen`, not printed. A broken agent in an embedded `train` printed 4,321
+    lines; the command's summary names the count and the first traceback."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: Counter[str] = Counter()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        text = f"{type(exc).__name__}: {exc}" if exc is not None else record.getMessage()
+        kind = _IDS.sub("<id>", text)
+        self.seen[kind] += 1
+        if self.seen[kind] > 1:
+            return False
+        record.msg, record.args = ("%s (the first failure of its kind: later ones are counted, "
+                                   "not printed; -v 2 prints each)"), (record.getMessage(),)
+        record.exc_info, record.exc_text = None, None
+        return True
 
 
 def progress_stream(out: OutputWrapper) -> TextIO:

@@ -109,3 +109,39 @@ def _train_list(*args: str) -> str:
     out = StringIO()
     call_command("train_list", *args, stdout=out)
     return out.getvalue()
+
+
+BROKEN_JOB = '''
+from examples.cipher import job_spec as cipher
+
+
+def broken_agent(task, **kwargs):
+    raise RuntimeError("this agent is broken")
+
+
+def job_spec(**kwargs):
+    spec = cipher(**kwargs)
+    spec["agent"] = "brokenjob.broken_agent"
+    spec["config"].update(tasks_per_step=3, group_size=2)
+    return spec
+'''
+
+
+@pytest.mark.slow
+def test_a_broken_agent_in_an_embedded_train_is_said_once_not_per_rollout(tmp_path):
+    (tmp_path / "brokenjob.py").write_text(BROKEN_JOB)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("DATABASE_URL", "CELERY_BROKER_URL", "DJANGO_SETTINGS_MODULE",
+                        "LOG_LEVEL")}
+    env.update(LIGHTNING_DATA_DIR=str(tmp_path / "data"), PYTHONPATH=str(tmp_path))
+    subprocess.run([sys.executable, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env,
+                   check=True, timeout=300)
+    result = subprocess.run([sys.executable, "manage.py", "train", "brokenjob", "--steps", "1"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 1
+    # 3 tries x 6 rollouts failed; the first is said once, the summary says the rest.
+    failures = [line for line in result.stderr.splitlines() if "this agent is broken" in line]
+    assert len(failures) == 1, result.stderr
+    assert len(result.stderr.splitlines()) <= 5, result.stderr
+    assert "6 of 6 train rollouts failed" in result.stdout
+    assert 'raise RuntimeError("this agent is broken")' in result.stdout  # the first traceback
