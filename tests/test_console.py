@@ -145,3 +145,30 @@ def test_a_broken_agent_in_an_embedded_train_is_said_once_not_per_rollout(tmp_pa
     assert len(result.stderr.splitlines()) <= 5, result.stderr
     assert "6 of 6 train rollouts failed" in result.stdout
     assert 'raise RuntimeError("this agent is broken")' in result.stdout  # the first traceback
+
+
+def test_routine_control_tasks_log_at_debug_only(caplog):
+    """The sweep every 5 s made an idle control worker log ~1,400 lines an hour."""
+    import celery.app.trace as trace
+
+    import lightning_site.celery  # noqa: F401 - installs the filter
+
+    def succeeded(name: str) -> None:
+        trace.logger.info(trace.LOG_SUCCESS, {"id": "1", "name": name, "runtime": 0.01,
+                                              "return_value": "{}"})
+
+    def received(name: str) -> None:
+        logging.getLogger("celery.worker.strategy").info(
+            trace.LOG_RECEIVED, {"id": "1", "name": name, "args": "()", "kwargs": "{}",
+                                 "eta": None})
+
+    with caplog.at_level(logging.INFO):
+        for name in ("runners.sweep", "runners.reconcile", "runners.run_rollout"):
+            succeeded(name)
+            received(name)
+    assert [r.getMessage().split("[")[0] for r in caplog.records] == [
+        "Task runners.run_rollout", "Task runners.run_rollout"]
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG):
+        succeeded("runners.sweep")
+    assert len(caplog.records) == 1
