@@ -311,6 +311,10 @@ LLM_GATEWAY_MAX_BODY_BYTES = env_int("LLM_GATEWAY_MAX_BODY_BYTES", 4 * 2**20, mi
 LLM_GATEWAY_BODY_TIMEOUT_SECONDS = env_float("LLM_GATEWAY_BODY_TIMEOUT_SECONDS", 30.0,
                                              minimum=0.1)
 LLM_GATEWAY_MAX_TOKENS = env_int("LLM_GATEWAY_MAX_TOKENS", 4096, minimum=1)
+# Sequences (n per call) a project may have in flight in the gateway; past it, 429 with
+# Retry-After (trainer/llm/gateway.py). Batches take tenants in turn (trainer/llm/batcher.py).
+LLM_GATEWAY_MAX_SEQUENCES_PER_PROJECT = env_int("LLM_GATEWAY_MAX_SEQUENCES_PER_PROJECT", 256,
+                                                minimum=1)
 # Dynamic batching: requests arriving within this many milliseconds decode together, up to
 # LLM_GATEWAY_MAX_BATCH sequences.
 LLM_GATEWAY_BATCH_WINDOW_MS = env_float("LLM_GATEWAY_BATCH_WINDOW_MS", 5.0, minimum=0.0)

@@ -1,9 +1,12 @@
-"""Dynamic batching: concurrent requests decode together.
+"""Dynamic batching: concurrent requests decode together, tenants served in turn.
 
-Callers `submit` sequences for an engine and wait; one thread takes whatever arrived within
-`window` seconds of the first waiting request (up to `max_batch` sequences), groups it by
-engine (checkpoint version) and decodes each group in one batch. Requests that arrive while a
-batch decodes wait for the next one.
+Callers `submit` sequences for an engine (and the tenant they are for) and wait; one thread
+takes whatever arrived within `window` seconds of the first waiting request and composes a
+batch of up to `max_batch` sequences **round-robin over tenants** (one request of each tenant in
+turn, each tenant's oldest first), so a tenant with hundreds of requests queued does not push
+another's single request out of the next batch; what does not fit waits, ahead of newer
+requests of its tenant. The batch is grouped by engine (checkpoint version) and each group
+decoded in one batch. Requests that arrive while a batch decodes wait for the next one.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from trainer.llm.engine import Engine, Sequence_
@@ -23,6 +27,7 @@ log = logging.getLogger(__name__)
 class Job:
     engine: Engine
     sequences: list[Sequence_]
+    tenant: object = None
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
 
@@ -36,40 +41,67 @@ class Batcher:
         self.batches = 0  # decoded batches, for tests and the bench
         self.largest = 0
 
-    def submit(self, engine: Engine, sequences: list[Sequence_]) -> Job:
+    def submit(self, engine: Engine, sequences: list[Sequence_], tenant: object = None) -> Job:
         for seq in sequences:
             engine.check_prompt(seq.prompt_ids)
-        job = Job(engine, sequences)
+        job = Job(engine, sequences, tenant)
         self._queue.put(job)
         return job
 
-    def run(self, engine: Engine, sequences: list[Sequence_], timeout: float | None = None
-            ) -> None:
+    def run(self, engine: Engine, sequences: list[Sequence_], timeout: float | None = None,
+            tenant: object = None) -> None:
         """Submit and wait until every sequence is done; re-raises the decode's error."""
-        job = self.submit(engine, sequences)
+        job = self.submit(engine, sequences, tenant)
         if not job.done.wait(timeout):
             raise TimeoutError("generation did not finish in time")
         if job.error is not None:
             raise job.error
 
     def _loop(self) -> None:
+        waiting: dict[object, deque[Job]] = {}  # per tenant, oldest first; insertion = turn
         while True:
-            jobs = [self._queue.get()]
+            if not waiting:
+                self._take(waiting, self._queue.get())
             deadline = time.monotonic() + self.window
-            size = len(jobs[0].sequences)
-            while size < self.max_batch:
+            while True:  # everything that arrives within the window is seen before choosing
                 left = deadline - time.monotonic()
                 try:
                     job = self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait()
                 except queue.Empty:
                     break
-                jobs.append(job)
-                size += len(job.sequences)
+                self._take(waiting, job)
+            jobs = self._compose(waiting)
             by_engine: dict[int, list[Job]] = {}
             for job in jobs:
                 by_engine.setdefault(id(job.engine), []).append(job)
             for group in by_engine.values():
                 self._decode(group)
+
+    @staticmethod
+    def _take(waiting: dict[object, deque[Job]], job: Job) -> None:
+        waiting.setdefault(job.tenant, deque()).append(job)
+
+    def _compose(self, waiting: dict[object, deque[Job]]) -> list[Job]:
+        """One request per tenant in turn until the batch is full (the first always goes,
+        whatever its size); a tenant served moves to the back of the turn."""
+        jobs: list[Job] = []
+        size = 0
+        while waiting:
+            progressed = False
+            for tenant in list(waiting):
+                queue_ = waiting[tenant]
+                if jobs and size + len(queue_[0].sequences) > self.max_batch:
+                    continue
+                job = queue_.popleft()
+                jobs.append(job)
+                size += len(job.sequences)
+                progressed = True
+                del waiting[tenant]  # to the back of the turn, or gone if it has no more
+                if queue_:
+                    waiting[tenant] = queue_
+            if not progressed or size >= self.max_batch:
+                break
+        return jobs
 
     def _decode(self, jobs: list[Job]) -> None:
         sequences = [seq for job in jobs for seq in job.sequences]

@@ -49,11 +49,15 @@ class Gateway:
     def __init__(self, *, registry: Registry | None = None, batcher: Batcher | None = None,
                  upstream: Any = None, poll_seconds: float = 1.0,
                  max_body_bytes: int = 4 * 2**20, body_timeout: float = 30.0,
-                 max_tokens: int | None = 4096) -> None:
+                 max_tokens: int | None = 4096, max_sequences_per_project: int = 256) -> None:
         self.registry = registry or Registry()
         # Limits a request meets before any work is done for it (README "Model gateway").
         self.max_body_bytes, self.body_timeout = max_body_bytes, body_timeout
         self.max_tokens = max_tokens
+        # Admission: sequences a project may have in flight (queued or decoding); past it, 429.
+        self.max_sequences_per_project = max_sequences_per_project
+        self._in_flight: dict[int, int] = {}
+        self._admit_lock = threading.Lock()
         self.batcher = batcher or Batcher()
         self.upstream = upstream  # trainer.llm.upstream.Upstream, or None: local engines
         self.recorder = calls.Recorder()
@@ -137,7 +141,7 @@ class Gateway:
                                             request.path_params.get("rollout_id"),
                                             request.path_params.get("attempt_id"))
         except BadRequest as exc:
-            return JSONResponse(exc.body(), status_code=exc.status)
+            return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
         now = int(time.time())
         names = (self.registry.names(project.pk) if self.upstream is None
                  else [self.upstream.model])
@@ -153,20 +157,26 @@ class Gateway:
 
     async def _complete(self, request: Request, kind: str) -> Response:
         started = time.time()
+        admitted: tuple[int | None, int] = (None, 0)
         try:
             # The key first: nothing of an unauthenticated body is read or parsed.
             project = await self._in_thread(self._authorize, request,
                                             *_attributed_ids(request))
             body = _json(await self._body(request))
             parsed = parse(body, kind, max_tokens_cap=self.max_tokens)
+            self._admit(project.pk, parsed.n)
+            admitted = (project.pk, parsed.n)
             if parsed.stream:
                 prepared = await self._in_thread(self._prepare, request, parsed, project)
-                return StreamingResponse(self._stream(prepared, started),
-                                         media_type="text/event-stream")
+                chunks = self._stream(prepared, started, admitted)
+                admitted = (None, 0)  # the stream's work releases it when it ends
+                return StreamingResponse(chunks, media_type="text/event-stream")
             # One trip to a worker thread: prepare, generate (waiting for its batch), record.
             prepared = await self._in_thread(self._call, request, parsed, started, project)
         except BadRequest as exc:
-            return JSONResponse(exc.body(), status_code=exc.status)
+            return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        finally:
+            self._release(*admitted)
         body = response(parsed, rid=prepared.rid, model=prepared.model_name,
                         prompt_ids=prepared.prompt_ids, choices=prepared.choices,
                         text_of=prepared.text_of)
@@ -290,12 +300,38 @@ class Gateway:
             prepared.engine_seconds = time.perf_counter() - began
             return
         began = time.perf_counter()
-        self.batcher.run(prepared.engine, prepared.choices)
+        self.batcher.run(prepared.engine, prepared.choices, tenant=prepared.project.pk)
         prepared.engine_seconds = time.perf_counter() - began
 
-    def _generate_and_record(self, prepared: _Prepared, started: float) -> None:
-        self._generate(prepared)
-        self._record(prepared, started)
+    def _generate_and_record(self, prepared: _Prepared, started: float,
+                             admitted: tuple[int, int]) -> None:
+        try:
+            self._generate(prepared)
+            self._record(prepared, started)
+        finally:
+            self._release(*admitted)
+
+    def _admit(self, project_id: int, sequences: int) -> None:
+        """Per-project admission: past max_sequences_per_project in flight, 429 (the OpenAI
+        client retries it after Retry-After)."""
+        with self._admit_lock:
+            held = self._in_flight.get(project_id, 0)
+            if held and held + sequences > self.max_sequences_per_project:
+                raise BadRequest(f"this project has {held} sequences in flight (at most "
+                                 f"{self.max_sequences_per_project}); retry shortly",
+                                 status=429, code="rate_limit_exceeded",
+                                 kind="rate_limit_error", headers={"Retry-After": "1"})
+            self._in_flight[project_id] = held + sequences
+
+    def _release(self, project_id: int | None, sequences: int) -> None:
+        if project_id is None:
+            return
+        with self._admit_lock:
+            left = self._in_flight.get(project_id, 0) - sequences
+            if left > 0:
+                self._in_flight[project_id] = left
+            else:
+                self._in_flight.pop(project_id, None)
 
     def _record(self, prepared: _Prepared, started: float) -> None:
         record_completion(model=prepared.model_name, prompt_tokens=len(prepared.prompt_ids),
@@ -312,7 +348,9 @@ class Gateway:
             request_sha256=prepared.request_sha256)
         self.recorder.record(prepared.attribution, call)
 
-    async def _stream(self, prepared: _Prepared, started: float):
+    def _stream(self, prepared: _Prepared, started: float, admitted: tuple[int, int]):
+        """Start the call's work now (whether or not the response is ever iterated: it is
+        recorded and its admission released in any case) and return the chunks to send."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         parsed, created = prepared.parsed, int(started)
@@ -338,17 +376,22 @@ class Gateway:
             else:
                 loop.call_soon_threadsafe(events.put_nowait, event)
 
-        if parsed.kind == "chat":
-            for seq in prepared.choices:
-                yield _sse(chunk(parsed, rid=prepared.rid, model=prepared.model_name,
-                                 created=created, index=seq.index, text="", finish_reason=None,
-                                 role=True))
         for seq in prepared.choices:
             seq.on_token = on_token
         # Generation and recording in one piece of work that does not depend on this stream:
         # a client that leaves (even at the last token) does not stop its call being recorded.
         work = asyncio.ensure_future(self._in_thread(self._generate_and_record, prepared,
-                                                     started))
+                                                     started, admitted))
+        return self._chunks(prepared, created, events, finals, work)
+
+    async def _chunks(self, prepared: _Prepared, created: int, events: asyncio.Queue,
+                      finals: list[dict[str, Any]], work: asyncio.Future):
+        parsed = prepared.parsed
+        if parsed.kind == "chat":
+            for seq in prepared.choices:
+                yield _sse(chunk(parsed, rid=prepared.rid, model=prepared.model_name,
+                                 created=created, index=seq.index, text="", finish_reason=None,
+                                 role=True))
         while True:
             getter = asyncio.ensure_future(events.get())
             done, _ = await asyncio.wait({getter, work}, return_when=asyncio.FIRST_COMPLETED)

@@ -23,10 +23,12 @@ MIN_TEMPERATURE = 1e-6
 
 class BadRequest(ValueError):
     def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 code: str | None = None, kind: str = "invalid_request_error") -> None:
+                 code: str | None = None, kind: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message, self.param, self.status, self.code, self.kind = (
             message, param, status, code, kind)
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param,

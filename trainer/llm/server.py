@@ -41,6 +41,7 @@ def build_gateway(*, models: list[str] | None = None, upstream_url: str | None =
         max_body_bytes=settings.LLM_GATEWAY_MAX_BODY_BYTES,
         body_timeout=settings.LLM_GATEWAY_BODY_TIMEOUT_SECONDS,
         max_tokens=settings.LLM_GATEWAY_MAX_TOKENS,
+        max_sequences_per_project=settings.LLM_GATEWAY_MAX_SEQUENCES_PER_PROJECT,
     )
     for spec in [*settings.LLM_GATEWAY_MODELS, *(models or [])]:
         name, sep, path = spec.partition("=")
