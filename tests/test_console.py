@@ -162,13 +162,24 @@ def test_routine_control_tasks_log_at_debug_only(caplog):
             trace.LOG_RECEIVED, {"id": "1", "name": name, "args": "()", "kwargs": "{}",
                                  "eta": None})
 
-    with caplog.at_level(logging.INFO):
-        for name in ("runners.sweep", "runners.reconcile", "runners.run_rollout"):
-            succeeded(name)
-            received(name)
-    assert [r.getMessage().split("[")[0] for r in caplog.records] == [
-        "Task runners.run_rollout", "Task runners.run_rollout"]
-    caplog.clear()
-    with caplog.at_level(logging.DEBUG):
-        succeeded("runners.sweep")
-    assert len(caplog.records) == 1
+    loggers = [trace.logger, logging.getLogger("celery.worker.strategy")]
+    saved = [(lg.level, lg.propagate) for lg in loggers]
+    try:
+        for lg in loggers:  # as a worker run with -l INFO has them (other tests quiet them)
+            lg.setLevel(logging.INFO)
+            lg.propagate = True
+        with caplog.at_level(logging.INFO):
+            for name in ("runners.sweep", "runners.reconcile", "runners.run_rollout"):
+                succeeded(name)
+                received(name)
+        assert [r.getMessage().split("[")[0] for r in caplog.records] == [
+            "Task runners.run_rollout", "Task runners.run_rollout"]
+        caplog.clear()
+        trace.logger.setLevel(logging.DEBUG)
+        with caplog.at_level(logging.DEBUG):
+            succeeded("runners.sweep")
+        assert len(caplog.records) == 1
+    finally:
+        for lg, (level, propagate) in zip(loggers, saved, strict=True):
+            lg.setLevel(level)
+            lg.propagate = propagate
