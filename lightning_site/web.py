@@ -38,30 +38,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     os.environ["WEB_THREADS"] = str(args.threads)  # read by lightning_site.asgi in each process
     reset_metrics_dir()
-    import sys
-
     import uvicorn
-
-    # uvicorn runs at WARNING (no access log: see above): say once where we are.
-    print(f"lightning web: serving on http://{args.host}:{args.port} with {args.workers} "
-          f"process(es) x {args.threads} thread(s); database {_database()}", file=sys.stderr,
-          flush=True)
 
     uvicorn.run("lightning_site.asgi:application", host=args.host.strip("[]"), port=args.port,
                 workers=args.workers, log_level="warning", access_log=False,
                 timeout_keep_alive=5, timeout_graceful_shutdown=10)
-
-
-def _database() -> str:
-    """DATABASE_URL without its credentials, or the embedded default."""
-    from urllib.parse import urlsplit
-
-    url = os.environ.get("DATABASE_URL")
-    if not url:
-        return "embedded SQLite (var/)"
-    parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.hostname or ''}{f':{parts.port}' if parts.port else ''}" \
-           f"{parts.path}"
 
 
 if __name__ == "__main__":
