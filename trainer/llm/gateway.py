@@ -555,11 +555,13 @@ def _check_prompt_size(engine: Engine, parsed: Parsed) -> None:
                          code="context_length_exceeded")
 
 
-_token_facts: dict[int, tuple[int, int]] = {}  # id(tokenizer) -> (vocabulary size, longest)
+# checkpoint directory -> (vocabulary size, longest token); by path, not id(): an unloaded
+# engine's id may be reused by the next one loaded.
+_token_facts: dict[str, tuple[int, int]] = {}
 
 
 def _facts(engine: Engine) -> tuple[int, int]:
-    key = id(engine.tokenizer)
+    key = engine.path
     if key not in _token_facts:
         # An id must have a row in the model's embedding and a token in the tokenizer.
         size = len(engine.tokenizer)
