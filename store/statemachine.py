@@ -61,6 +61,12 @@ ATTEMPT_LOST = frozenset({AttemptStatus.TIMEOUT, AttemptStatus.UNRESPONSIVE})
 ATTEMPT_ENDED = ATTEMPT_FINAL | {AttemptStatus.TIMEOUT}
 
 
+# The longest limit (seconds) a rollout may set: about a century. Beyond it a deadline may not
+# fit a datetime (Python's, or psycopg's reading of Postgres's), so every path that computes one
+# (the claim's SQL, the export's, the services') can rely on it; the REST serializers use it too.
+MAX_LIMIT_SECONDS = 3.2e9
+
+
 @dataclass(frozen=True)
 class RolloutConfig:
     timeout_seconds: float | None = None
@@ -101,9 +107,21 @@ class RolloutConfig:
 def _positive_or_none(value: Any, name: str) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise InvalidInput(name, "must be a positive number or null")
+    if not value <= MAX_LIMIT_SECONDS:  # also NaN and infinity
+        raise InvalidInput(name, f"must be at most {MAX_LIMIT_SECONDS:.0f} seconds")
     return float(value)
+
+
+def check_limit_seconds(value: Any, name: str) -> None:
+    """A non-negative limit in seconds within MAX_LIMIT_SECONDS, or None (InvalidInput)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise InvalidInput(name, "must be a number >= 0")
+    if not value <= MAX_LIMIT_SECONDS:
+        raise InvalidInput(name, f"must be at most {MAX_LIMIT_SECONDS:.0f} seconds")
 
 
 def rollout_status_for_attempt(

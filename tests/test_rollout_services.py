@@ -262,3 +262,26 @@ def test_a_dequeue_outside_a_transaction_is_one_statement_on_postgres(project):
     assert len(captured.captured_queries) == 2
     assert not Worker.objects.filter(worker_id="w3").exists()
     assert Worker.objects.get(worker_id="w1").status == "busy"
+
+
+@pytest.mark.parametrize("config,field", [
+    ({"timeout_seconds": 2.5e11}, "config.timeout_seconds"),
+    ({"unresponsive_seconds": 1e12}, "config.unresponsive_seconds"),
+])
+def test_a_limit_no_deadline_can_hold_is_refused_at_enqueue(project, config, field):
+    # A trainer's or CLI's config reaches the services without REST's serializer: the bound is
+    # the store's rule. Before it, the claim committed a deadline Postgres accepts and psycopg
+    # cannot read back, and the rollout stayed `preparing`.
+    with pytest.raises(InvalidInput) as refused:
+        services.rollout_enqueue(project=project, spec=RolloutSpec(input=1, config=config))
+    assert refused.value.field == field
+    with pytest.raises(InvalidInput, match="queue_timeout_seconds"):
+        services.rollout_enqueue(project=project, spec=RolloutSpec(input=1, queue_timeout_seconds=1e12))
+    assert not Rollout.objects.filter(project=project).exists()
+
+
+def test_the_longest_limit_is_claimed_with_its_deadline(project):
+    services.rollout_enqueue(project=project, spec=RolloutSpec(
+        input=1, config={"timeout_seconds": 3.2e9, "unresponsive_seconds": 3.2e9}))
+    rollout, attempt = claim(project)
+    assert attempt.deadline is not None and attempt.deadline > timezone.now() + timedelta(days=36000)

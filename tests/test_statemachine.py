@@ -56,10 +56,18 @@ def test_default_config_is_agl_default():
 @pytest.mark.parametrize("raw", [
     {"max_attempts": 0}, {"max_attempts": "2"}, {"timeout_seconds": -1},
     {"retry_condition": ["exploded"]}, {"bogus": 1}, [],
+    {"timeout_seconds": 2.5e11}, {"unresponsive_seconds": 3.3e9},
+    {"timeout_seconds": float("nan")}, {"unresponsive_seconds": float("inf")},
 ])
 def test_bad_config_is_refused_with_the_field(raw):
-    with pytest.raises(InvalidInput):
+    with pytest.raises(InvalidInput) as refused:
         RolloutConfig.parse(raw)
+    if isinstance(raw, dict) and "seconds" in next(iter(raw)):
+        assert refused.value.field == f"config.{next(iter(raw))}"
+
+
+def test_the_longest_limit_is_accepted():
+    assert RolloutConfig.parse({"timeout_seconds": 3.2e9}).timeout_seconds == 3.2e9
 
 
 @pytest.mark.parametrize("current,requested", [

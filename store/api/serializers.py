@@ -18,6 +18,7 @@ from store.api import limits
 from store.models import Attempt, ResourceVersion, Rollout, Span, Worker
 from store.statemachine import (
     ATTEMPT_FINAL,
+    MAX_LIMIT_SECONDS,
     AttemptStatus,
     RolloutMode,
     RolloutStatus,
@@ -38,7 +39,7 @@ def from_epoch(value: float | None) -> datetime | None:
     return datetime.fromtimestamp(value, tz=UTC) if value is not None else None
 
 
-MAX_SECONDS = 3.2e9  # about a century: beyond it, a deadline would not fit a datetime
+MAX_SECONDS = MAX_LIMIT_SECONDS  # the store's rule: beyond it a deadline would not fit
 
 
 class StrictCharField(serializers.CharField):

@@ -30,6 +30,7 @@ from store.statemachine import (
     RolloutConfig,
     RolloutMode,
     RolloutStatus,
+    check_limit_seconds,
     check_rollout_transition,
 )
 
@@ -62,9 +63,7 @@ def _validate(spec: RolloutSpec) -> RolloutConfig:
     key = spec.idempotency_key
     if key is not None and (not isinstance(key, str) or not 0 < len(key) <= MAX_IDEMPOTENCY_KEY):
         raise InvalidInput("idempotency_key", f"must be 1-{MAX_IDEMPOTENCY_KEY} characters")
-    qts = spec.queue_timeout_seconds
-    if qts is not None and (isinstance(qts, bool) or not isinstance(qts, int | float) or qts < 0):
-        raise InvalidInput("queue_timeout_seconds", "must be a number >= 0")
+    check_limit_seconds(spec.queue_timeout_seconds, "queue_timeout_seconds")
     return RolloutConfig.parse(spec.config)
 
 
