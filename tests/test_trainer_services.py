@@ -7,7 +7,7 @@ import time
 from datetime import timedelta
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from django.utils import timezone
 
 from examples.cipher import job_spec
@@ -374,3 +374,26 @@ def test_ctrl_c_in_the_middle_of_a_read_still_pauses_the_job(monkeypatch, settin
     with pytest.raises(KeyboardInterrupt):
         run_followed(job.pk, start=True)
     assert TrainingJob.objects.get(pk=job.pk).status == JobStatus.PAUSED
+
+
+def test_a_step_replanned_while_it_is_checked_is_not_made_ready(monkeypatch):
+    """The check reads the step outside any lock; a cancel and resume in between plans a new
+    round with a new group (0 finished). The move to ready must be for the round it read."""
+    capture_sends(monkeypatch)
+    job = services.job_start(job_id=make_job().pk)
+    step = job.steps.get()
+    TrainingStep.objects.filter(pk=step.pk).update(deadline=timezone.now() - timedelta(seconds=1))
+    open_ids = services.selectors.step_open_rollout_ids
+
+    def replan_first(*, step):  # runs between the check's read and its move
+        with transaction.atomic():
+            TrainingJob.objects.select_for_update().get(pk=job.pk)
+            services._step_plan(job, GRPO(services.job_config(job)), n=0,
+                                resources_version=step.resources_version, round=step.round + 1)
+        return open_ids(step=step)
+
+    monkeypatch.setattr(services.selectors, "step_open_rollout_ids", replan_first)
+    assert services.step_check_ready(step_id=step.pk) is False
+    step.refresh_from_db()
+    assert (step.status, step.round) == (StepStatus.ROLLING, 1)
+    assert step.group.finished == 0 and step.group.total == 12

@@ -205,7 +205,11 @@ def step_check_ready(*, step_id: int, now: datetime | None = None) -> bool:
     open_ids = [] if finished else selectors.step_open_rollout_ids(step=step)
     timings = {**step.timings, "ready": _iso(now)}
     with transaction.atomic():
+        # The step as read, not only its status: a cancel and resume between the read and
+        # here plans a new round with a new group, which this check has not looked at.
         moved = step_move(step.pk, expect=[StepStatus.ROLLING], to=StepStatus.READY, now=now,
+                          where=Q(round=step.round, group_id=step.group_id,
+                                  job__status=JobStatus.RUNNING),
                           sent_at=now, timings=timings)
         if moved:
             transaction.on_commit(lambda: delivery.send_train_step(step.pk))
