@@ -170,14 +170,16 @@ def _sweep_attempts(now: datetime, batch_size: int, result: SweepResult,
 
 
 def _verdict(attempt: Attempt, config: RolloutConfig, now: datetime) -> str | None:
-    """timeout or unresponsive, or None after refreshing a deadline a heartbeat moved on."""
+    """timeout or unresponsive for a live attempt whose deadline is due, by our clock only:
+    every report moves the deadline from the time we received it, while the stored
+    last_heartbeat_time may be a runner's clock (update_attempt keeps it as sent, as AGL does),
+    hours off either way. None after setting the deadline again (the config changed)."""
     age = (now - attempt.start_time).total_seconds()
-    if config.timeout_seconds and age > config.timeout_seconds:
+    if config.timeout_seconds and age >= config.timeout_seconds:
         return AttemptStatus.TIMEOUT
-    last = attempt.last_heartbeat_time or attempt.start_time
-    if config.unresponsive_seconds and (now - last).total_seconds() > config.unresponsive_seconds:
-        return AttemptStatus.UNRESPONSIVE
-    attempt.deadline = attempt_deadline(config, attempt.start_time, attempt.last_heartbeat_time)
+    if config.unresponsive_seconds:
+        return AttemptStatus.UNRESPONSIVE  # no report within the window the deadline holds
+    attempt.deadline = attempt_deadline(config, attempt.start_time, None)
     return None
 
 

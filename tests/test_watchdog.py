@@ -1,5 +1,6 @@
 from datetime import timedelta
 
+import pytest
 from django.utils import timezone
 
 from store import services, watchdog
@@ -46,16 +47,49 @@ def test_silent_attempt_goes_unresponsive_and_rollout_requeues(project):
     assert again.pk == rollout.pk and second.sequence_id == 2
 
 
-def test_heartbeat_moves_the_deadline_so_sweep_refreshes_instead_of_killing(project):
+def test_a_report_moves_the_deadline_so_the_sweep_leaves_the_attempt(project):
     enqueue(project, 1, config={"unresponsive_seconds": 10})
     rollout, attempt = claim(project)
     backdate(attempt, 11)
-    # A heartbeat the sweep has not seen yet: the stored deadline is stale.
-    from store.models import Attempt
-    Attempt.objects.filter(pk=attempt.pk).update(last_heartbeat_time=timezone.now())
+    services.attempt_update(project=project, rollout_id=rollout.pk,
+                            attempt_id=attempt.attempt_id, last_heartbeat_time=timezone.now())
     assert watchdog.sweep().changed == 0
     attempt.refresh_from_db()
     assert attempt.status == "preparing" and attempt.deadline > timezone.now()
+
+
+def test_a_silent_runner_whose_clock_runs_ahead_still_goes_unresponsive(project):
+    """The runner's last_heartbeat_time is stored as sent; the verdict is by our clock."""
+    enqueue(project, 1, config={"unresponsive_seconds": 10})
+    rollout, attempt = claim(project)
+    services.attempt_update(project=project, rollout_id=rollout.pk, attempt_id=attempt.attempt_id,
+                            last_heartbeat_time=timezone.now() + timedelta(hours=1))
+    backdate(attempt, 11)  # then it went silent for 11 s by our clock
+    assert watchdog.sweep().unresponsive == [f"{rollout.pk}/{attempt.attempt_id}"]
+
+
+@pytest.mark.django_db(transaction=True)  # the export's one statement runs in autocommit
+@pytest.mark.parametrize("path", ["spans_add", "spans_export"])
+def test_spans_keep_alive_an_attempt_whose_runner_clock_runs_ahead(project, path):
+    """Spans are heartbeats even when the stored time (the runner's) is ahead of ours."""
+    enqueue(project, 1, config={"unresponsive_seconds": 10})
+    rollout, attempt = claim(project)
+    services.attempt_update(project=project, rollout_id=rollout.pk, attempt_id=attempt.attempt_id,
+                            status="running",
+                            last_heartbeat_time=timezone.now() + timedelta(hours=1))
+    backdate(attempt, 11)
+    span = {"rollout_id": rollout.pk, "attempt_id": attempt.attempt_id, "trace_id": "a" * 32,
+            "span_id": "0" * 15 + "1", "parent_id": None, "name": "s",
+            "status": {"status_code": "OK", "description": None}, "attributes": {},
+            "events": [], "links": [], "start_time": 1.0, "end_time": 2.0, "context": None,
+            "parent": None, "resource": {"attributes": {}, "schema_url": ""}}
+    if path == "spans_add":
+        services.spans_add(project=project, spans=[{**span, "sequence_id": 1}])
+    else:
+        services.spans_export(project=project, spans=[span])
+    assert watchdog.sweep().changed == 0
+    attempt.refresh_from_db()
+    assert attempt.status == "running" and attempt.deadline > timezone.now()
 
 
 def test_late_report_after_timeout_is_recorded_but_rollout_stays_failed(project):

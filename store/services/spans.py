@@ -348,7 +348,8 @@ def _heartbeats_due(attempts: list[Attempt], now: datetime) -> list[Attempt]:
     for attempt in attempts:
         last = attempt.last_heartbeat_time
         revive = attempt.status in _REVIVABLE and attempt.status != AttemptStatus.RUNNING
-        if not revive and last and now - last < HEARTBEAT_MIN_INTERVAL:
+        # A time ahead of ours is a runner's clock (update_attempt stores it as sent): due.
+        if not revive and last and timedelta(0) <= now - last < HEARTBEAT_MIN_INTERVAL:
             continue
         due.append(attempt)
     return due
@@ -404,7 +405,7 @@ def _export_common(project: Project, spans: Sequence[dict[str, Any]], now: datet
     missing = len(spans) - len(explicit)
     preparing, running = AttemptStatus.PREPARING, AttemptStatus.RUNNING
     moving = (RolloutStatus.PREPARING, RolloutStatus.REQUEUING)
-    due = (preparing, now - HEARTBEAT_MIN_INTERVAL)
+    due = (preparing, now - HEARTBEAT_MIN_INTERVAL, now)
     params: list[Any] = [
         *due, preparing, running, *due, now,  # a
         first["rollout_id"], first["attempt_id"], project.pk, AttemptStatus.UNRESPONSIVE,
@@ -462,7 +463,7 @@ def _common_sql(count: int, key_checked: bool = False) -> str:
     timeout = "(r.config->>'timeout_seconds')::float8"
     unresponsive = "(r.config->>'unresponsive_seconds')::float8"
     due = ("(a.status = %s OR a.last_heartbeat_time IS NULL "
-           "OR a.last_heartbeat_time <= %s)")
+           "OR a.last_heartbeat_time <= %s OR a.last_heartbeat_time > %s)")
     moves = ("a.revive AND r.latest_attempt_id = a.id "
              "AND r.status IN (%s::varchar, %s::varchar)")
     return (
