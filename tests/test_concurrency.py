@@ -238,3 +238,45 @@ def test_concurrent_exports_number_each_span_once_through_both_paths_without_dea
     assert len(seqs) == 201 and sorted(seqs) == list(range(1, 202))
     rollout.refresh_from_db()
     assert rollout.next_span_sequence_id == 202
+
+
+def test_reopening_a_group_member_for_a_worker_races_its_verdict_without_deadlock():
+    """The verdict locks attempt, rollout, worker, group; `attempt_start` with a worker id
+    reopened a finished member (rollout, group) and then wrote the worker: 50 deadlocks in
+    60 free-running rounds were measured. One lock order: the worker before the group."""
+    project = services.project_create(name="reopen")
+    group, _ = services.group_create(project=project, key="g", owner="t")
+    deadlocks = [n for n in range(30) if _reopen_race(project, group, n)]
+    assert deadlocks == []
+    group.refresh_from_db()
+    assert (group.total, group.finished) == (60, 30)  # held members finished, reopened not
+
+
+def _reopen_race(project, group, n: int) -> bool:
+    """One round: worker w's verdict on one member against a reopening of another member of
+    the same group for w. True when it deadlocked."""
+    held, done = services.rollout_enqueue_many(
+        project=project, specs=[RolloutSpec(input=n), RolloutSpec(input=-n)], group=group)
+    _, held_attempt = services.rollout_dequeue(project=project, worker_id="w")
+    _, done_attempt = services.rollout_dequeue(project=project, worker_id="other")
+    services.attempt_finish(project=project, rollout_id=done.pk,
+                            attempt_id=done_attempt.attempt_id, status="failed")
+    start = threading.Barrier(2)
+    verdict = services.attempt_finish if n % 2 else services.attempt_update  # both paths
+    deadlocked = []
+
+    def race(i):
+        start.wait()
+        try:
+            if i == 0:
+                verdict(project=project, rollout_id=held.pk,
+                        attempt_id=held_attempt.attempt_id, status="succeeded")
+            else:
+                services.attempt_start(project=project, rollout_id=done.pk, worker_id="w")
+        except Exception as exc:
+            if "deadlock" not in str(exc):
+                raise
+            deadlocked.append(i)
+
+    run_threads(2, race)
+    return bool(deadlocked)

@@ -268,14 +268,17 @@ def attempt_start(
     now = timezone.now()
     with transaction.atomic():
         rollout = get_rollout(project, rollout_id, lock=True)
-        if rollout.status in ROLLOUT_TERMINAL:
-            rollouts_terminal([rollout], -1, now)  # reopened: its group waits for it again
+        reopened = rollout.status in ROLLOUT_TERMINAL
         if rollout.end_time is not None:
             rollout.end_time = None
             rollout.save(update_fields=["end_time"])
         attempt = new_attempt(rollout, worker_id, now)
         attach([rollout], [attempt])
+        # The worker before the group: the one lock order (a verdict of this worker on
+        # another member of the group holds the worker and then takes the group).
         worker_sync_for_attempts(project.pk, [attempt], now)
+        if reopened:
+            rollouts_terminal([rollout], -1, now)  # its group waits for it again
     return rollout, attempt
 
 
