@@ -57,13 +57,16 @@ class Page(Generic[T]):
 
 def _paginate(
     qs: QuerySet, *, limit: int, offset: int, sort_by: str | None, sort_order: str,
-    sortable: dict[str, str], default: str,
+    sortable: dict[str, str], default: str, zero_is_empty: bool = False,
 ) -> Page:
     """AGL's paging: `sortable` maps each field of the AGL object, in AGL's order, to its
     column. None sorts as AGL's in-memory store sorts it: `*_time` fields as infinity (last
-    ascending), others as the empty value (first ascending)."""
-    check_page(limit=limit, offset=offset, sort_by=sort_by, sort_order=sort_order,
-               fields=sortable)
+    ascending), others as the empty value (first ascending). `zero_is_empty`: a limit of 0
+    is a page with no items (AGL's store; its HTTP server answers 400) instead of a 400."""
+    check_page(limit=-1 if zero_is_empty and limit == 0 else limit, offset=offset,
+               sort_by=sort_by, sort_order=sort_order, fields=sortable)
+    if limit == 0:
+        return Page([], limit, offset, qs.count())
     column = sortable[sort_by] if sort_by else default
     ordered = qs.order_by(_order(qs.model, column, sort_by or column, sort_order), "pk")
     total = qs.count()
@@ -140,11 +143,12 @@ def attempt_query(
     *, project: Project, rollout_id: str, limit: int = -1, offset: int = 0,
     sort_by: str | None = None, sort_order: str = "asc",
 ) -> Page[Attempt]:
-    # An unknown rollout has no attempts: an empty page, as AGL answers.
+    # An unknown rollout has no attempts: an empty page, as AGL answers. A limit of 0 too
+    # (AGL's store suite: test_query_attempts_zero_limit_returns_no_items).
     qs = Attempt.objects.filter(rollout_id=rollout_id, rollout__project=project)
     sortable = ATTEMPT_FIELDS
     return _paginate(qs, limit=limit, offset=offset, sort_by=sort_by, sort_order=sort_order,
-                     sortable=sortable, default="sequence_id")
+                     sortable=sortable, default="sequence_id", zero_is_empty=True)
 
 
 def attempt_latest(*, project: Project, rollout_id: str) -> Attempt | None:

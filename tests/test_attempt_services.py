@@ -351,3 +351,31 @@ def test_a_reports_locking_read_keeps_its_generic_plan(project):
     assert len(plans) == 1
     generic, custom = plans[0]
     assert generic >= 1 and custom <= 5, plans
+
+
+def test_an_older_attempts_verdict_may_change_and_the_rollout_follows_the_latest(project):
+    """AGL's store suite (test_status_propagation_latest_changes_when_new_attempt_added)."""
+    rollout, first = services.rollout_start(project=project, spec=RolloutSpec(input=1))
+    finish(project, rollout, first, "succeeded")
+    _, second = services.attempt_start(project=project, rollout_id=rollout.pk)
+    changed = services.attempt_update(project=project, rollout_id=rollout.pk,
+                                      attempt_id=first.attempt_id, status="failed")
+    rollout.refresh_from_db()
+    assert changed.status == "failed" and rollout.status == "preparing"
+    assert rollout.latest_attempt_id == second.pk
+    finish(project, rollout, second, "succeeded")
+    with pytest.raises(IllegalTransition):  # the latest attempt keeps its runner's verdict
+        services.attempt_update(project=project, rollout_id=rollout.pk,
+                                attempt_id=second.attempt_id, status="failed")
+
+
+def test_not_found_is_worded_as_agl_words_it(project):
+    with pytest.raises(NotFound, match="^Rollout ro-nope not found$"):
+        services.attempt_update(project=project, rollout_id="ro-nope", attempt_id="at-1",
+                                status="running")
+    queued = enqueue(project, 1)[0]
+    with pytest.raises(NotFound, match=f"^No attempts found for rollout {queued.pk}$"):
+        services.attempt_update(project=project, rollout_id=queued.pk, attempt_id="at-1",
+                                status="running")
+    with pytest.raises(NotFound, match="^Item does not exist with primary key"):
+        services.rollout_update(project=project, rollout_id="ro-nope", status="failed")

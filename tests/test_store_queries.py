@@ -140,3 +140,12 @@ def test_project_names_are_unique(project):
 def test_enqueue_priority_must_be_int(project):
     with pytest.raises(InvalidInput):
         services.rollout_enqueue(project=project, spec=RolloutSpec(priority="high"))
+
+
+def test_a_zero_limit_is_an_empty_page_of_attempts(project):
+    """AGL's store suite (test_query_attempts_zero_limit_returns_no_items); other queries
+    keep AGL's server's 400 (above)."""
+    enqueue(project, 1)
+    rollout, _ = claim(project)
+    page = selectors.attempt_query(project=project, rollout_id=rollout.pk, limit=0)
+    assert (page.items, page.total) == ([], 1)

@@ -107,7 +107,7 @@ def attempt_update_many(*, project: Project, updates: Sequence[AttemptUpdate],
     rollout_ids = {u.rollout_id for u in updates}
     with transaction.atomic():
         all_attempts, rollouts = _lock(project, rollout_ids, live_key)
-        attempts = _pick(updates, all_attempts, rollouts)
+        attempts = _pick(project, updates, all_attempts, rollouts)
         finished: list[Rollout] = []
         changed_rollouts: dict[str, Rollout] = {}
         for update, attempt in zip(updates, attempts, strict=True):
@@ -160,9 +160,8 @@ def _lock(project: Project, rollout_ids: set[str], live_key: LiveKey | None = No
     return rows, mine
 
 
-def _pick(
-    updates: Sequence[AttemptUpdate], attempts: list[Attempt], rollouts: dict[str, Rollout]
-) -> list[Attempt]:
+def _pick(project: Project, updates: Sequence[AttemptUpdate], attempts: list[Attempt],
+          rollouts: dict[str, Rollout]) -> list[Attempt]:
     found: dict[tuple[str, str], Attempt] = {}
     for attempt in attempts:
         rollout = rollouts.get(attempt.rollout_id)
@@ -175,9 +174,29 @@ def _pick(
     for update in updates:
         key = (update.rollout_id, update.attempt_id)
         if key not in found:
-            raise NotFound("attempt", f"{key[0]}/{key[1]}")
+            raise _not_found(project, rollouts, key)
         picked.append(found[key])
     return picked
+
+
+def _not_found(project: Project, rollouts: dict[str, Rollout], key: tuple[str, str]
+               ) -> NotFound:
+    """In AGL's words: the rollout, else its attempts, else the attempt is missing."""
+    rollout_id, attempt_id = key
+    if rollout_id in rollouts:
+        return NotFound("attempt", f"{rollout_id}/{attempt_id}")
+    if not Rollout.objects.filter(project=project, pk=rollout_id).exists():
+        return NotFound("rollout", rollout_id)
+    return NotFound("attempt", f"{rollout_id}/{attempt_id}",
+                    f"No attempts found for rollout {rollout_id}")
+
+
+def _older_verdict_changed(attempt: Attempt, rollout: Rollout, status: str) -> bool:
+    """AGL accepts another final status for a finished attempt; we keep the verdict of a
+    rollout's latest attempt (what the rollout follows) and let an older attempt's change, as
+    AGL does (its rollout follows the latest attempt, so nothing else moves)."""
+    return (attempt.status in ATTEMPT_FINAL and status in ATTEMPT_FINAL
+            and rollout.latest_attempt_id != attempt.pk)
 
 
 def _apply(update: AttemptUpdate, attempt: Attempt, rollout: Rollout, now: datetime) -> None:
@@ -186,9 +205,11 @@ def _apply(update: AttemptUpdate, attempt: Attempt, rollout: Rollout, now: datet
         try:
             moved = check_attempt_transition(attempt.status, update.status)
         except ValueError:
-            raise IllegalTransition(
-                "attempt", attempt.attempt_id, attempt.status, update.status
-            ) from None
+            if not _older_verdict_changed(attempt, rollout, update.status):
+                raise IllegalTransition(
+                    "attempt", attempt.attempt_id, attempt.status, update.status
+                ) from None
+            moved = True
     if update.worker_id is not _UNSET:
         attempt.worker_id = update.worker_id
     if update.metadata is not _UNSET:

@@ -12,7 +12,7 @@ from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from store import hooks, wakeups
-from store.errors import FieldFrozen, InvalidInput
+from store.errors import FieldFrozen, InvalidInput, NotFound
 from store.ids import new_rollout_id
 from store.models import Attempt, Project, ResourceSet, Rollout, RolloutGroup
 from store.services._claim import attach, claim_queued, new_attempt
@@ -300,7 +300,12 @@ def rollout_update(
     algorithm's command and may reopen a terminal rollout (requeue a failed one), as in AGL."""
     now = timezone.now()
     with transaction.atomic():
-        rollout = get_rollout(project, rollout_id, lock=True)
+        try:
+            rollout = get_rollout(project, rollout_id, lock=True)
+        except NotFound:
+            # AGL's store words its update this way (its suite matches `Item.*does not exist`).
+            raise NotFound("rollout", rollout_id, "Item does not exist with primary key(s): "
+                           f"rollout_id={rollout_id!r} (Rollout {rollout_id} not found)") from None
         changed: list[str] = []
         if status is not _UNSET and status is not None:
             _apply_rollout_status(rollout, status, now, changed)

@@ -59,6 +59,53 @@ async def sequence_ids(store: LightningStoreClient, tracer) -> list[int]:
     return issued + [after]
 
 
+async def detail(url: str, path: str, body: dict) -> tuple[int, str]:
+    """The status and message of a refused call (AGL's client keeps only the status)."""
+    from urllib.parse import urlsplit
+    parts = urlsplit(url)
+    base = f"{parts.scheme}://{parts.hostname}:{parts.port}"
+    auth = aiohttp.BasicAuth(parts.username or "", parts.password or "")
+    async with aiohttp.ClientSession(auth=auth) as session:
+        async with session.post(base + "/v1/agl" + path, json=body) as response:
+            return response.status, (await response.json())["detail"]
+
+
+async def agl_suite_cases(store: LightningStoreClient, url: str) -> dict:
+    """Issue 23, point 4: the four cases of AGL 0.3's own store suite we answered otherwise."""
+    import re
+    seen = {}
+    # test_update_nonexistent_rollout: ValueError matching `Item.*does not exist`.
+    check(await status_of(store.update_rollout("nonexistent", status="failed")) == 404,
+          "update of an unknown rollout")
+    status, message = await detail(url, "/rollouts/nonexistent", {"status": "failed"})
+    check(re.search("Item.*does not exist", message) is not None, f"update_rollout: {message}")
+    seen["update_nonexistent_rollout"] = message
+    # test_update_nonexistent_attempt: a rollout with no attempt yet, `No attempts found`.
+    queued = await store.enqueue_rollout(input="no attempt")
+    check(await status_of(store.update_attempt(queued.rollout_id, "nonexistent",
+                                               status="failed")) == 404, "update_attempt")
+    status, message = await detail(
+        url, f"/rollouts/{queued.rollout_id}/attempts/nonexistent", {"status": "failed"})
+    check("No attempts found" in message, f"update_attempt: {message}")
+    seen["update_nonexistent_attempt"] = message
+    # test_status_propagation_latest_changes_when_new_attempt_added: an older attempt's
+    # verdict may change; the rollout follows its latest attempt.
+    started = await store.start_rollout(input="propagation")
+    rid, first = started.rollout_id, started.attempt.attempt_id
+    await store.update_attempt(rid, first, status="succeeded")
+    second = await store.start_attempt(rid)
+    changed = await store.update_attempt(rid, first, status="failed")
+    latest = await store.get_rollout_by_id(rid)
+    check(changed.status == "failed", f"older attempt: {changed.status}")
+    check(latest.status == "preparing" and latest.attempt.attempt_id == second.attempt.attempt_id,
+          f"the rollout follows its latest attempt: {latest.status}")
+    # test_query_attempts_zero_limit_returns_no_items.
+    page = await store.query_attempts(rid, limit=0)
+    check(page.items == [] and page.total == 2, f"limit 0: {page}")
+    seen["zero_limit_total"] = page.total
+    return seen
+
+
 async def main(url: str) -> dict:
     store = LightningStoreClient(url, retry_delays=(0.2,), health_retry_delays=(0.2,))
     tracer = TracerProvider().get_tracer("semantics")
@@ -111,6 +158,7 @@ async def main(url: str) -> dict:
         check(got.status == "failed" and got.attempt.status == "timeout",
               f"timeout seen late: {got.status}/{got.attempt.status}")
         seen["statistics"] = {k: stats[k] for k in ("name", "total_rollouts")}
+        seen["agl_suite"] = await agl_suite_cases(store, url)
     finally:
         await store.close()
     return seen

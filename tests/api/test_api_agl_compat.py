@@ -107,3 +107,9 @@ def test_agl_client_sees_agls_store_semantics(api_server, keys: Keys, agl_python
     out = run_agl(agl_python, "store_semantics.py", url_with_key(api_server, keys.algorithm))
     seen = json.loads(out.strip().splitlines()[-1])
     assert seen["sequence_ids"] == [1, 2, 3, 4, 101]
+    # The four cases of AGL 0.3's own store suite (issue 23, point 4), as AGL's store answers.
+    suite = seen["agl_suite"]
+    assert suite["update_nonexistent_rollout"].startswith(
+        "Item does not exist with primary key(s): rollout_id='nonexistent'")
+    assert suite["update_nonexistent_attempt"].startswith("No attempts found for rollout ro-")
+    assert suite["zero_limit_total"] == 2

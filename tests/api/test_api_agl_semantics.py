@@ -101,6 +101,10 @@ def test_not_found_wording_and_empty_searches(algo, runner):
     assert missing.status_code == 404 and missing.json()["detail"] == "Rollout ro-missing not found"
     attempt = runner.post(f"/rollouts/{rid}/attempts/at-zzz", json={"status": "running"})
     assert attempt.status_code == 404
+    assert attempt.json()["detail"] == f"No attempts found for rollout {rid}"  # none yet
+    runner.post("/queues/rollouts/dequeue", json={"worker_id": "w1"})
+    attempt = runner.post(f"/rollouts/{rid}/attempts/at-zzz", json={"status": "running"})
+    assert attempt.status_code == 404
     assert attempt.json()["detail"] == f"Attempt at-zzz not found for rollout {rid}"
     for path in ("/spans/search", "/rollouts/ro-missing/attempts/search"):
         page = algo.post(path, json={"rollout_id": "ro-missing"})
