@@ -59,7 +59,7 @@ def notify_rollouts_finished(rollouts: Iterable[Rollout], announced: bool = Fals
         for channel, project_id in finished_notices(finished):
             wakeups.announce(channel, project_id)
     if finished and _finished_callbacks:
-        transaction.on_commit(lambda: _call(finished))
+        transaction.on_commit(lambda: _call(finished), robust=True)
 
 
 def _call(rollouts: list[Rollout]) -> None:

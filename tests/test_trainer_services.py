@@ -397,3 +397,19 @@ def test_a_step_replanned_while_it_is_checked_is_not_made_ready(monkeypatch):
     step.refresh_from_db()
     assert (step.status, step.round) == (StepStatus.ROLLING, 1)
     assert step.group.finished == 0 and step.group.total == 12
+
+
+def test_a_failing_retention_does_not_make_a_finished_step_lost(monkeypatch):
+    """After-commit work follows one policy (robust, as in runners): the step committed, so
+    an error in the retention that follows is logged, not reported as the step's outcome."""
+    sent = capture_sends(monkeypatch)
+    job = services.job_start(job_id=make_job().pk)
+    run_rollouts(job)
+
+    def broken(_job):
+        raise RuntimeError("retention exploded")
+
+    monkeypatch.setattr(services, "_retain", broken)
+    step_id = sent.train_steps.pop()
+    assert services.step_train(step_id=step_id, worker="w") == "done"
+    assert TrainingStep.objects.get(pk=step_id).status == StepStatus.DONE

@@ -182,7 +182,7 @@ def _step_plan(job: TrainingJob, algorithm: Algorithm, *, n: int, resources_vers
         dispatch=delivery.CELERY_DISPATCH, target=job.agent,
     )
     ids = [d.rollout_id for d in marked]
-    transaction.on_commit(lambda: delivery.send_rollouts(job.project_id, ids))
+    transaction.on_commit(lambda: delivery.send_rollouts(job.project_id, ids), robust=True)
     if not specs:
         step_check_ready(step_id=step.pk)
     return step
@@ -212,7 +212,7 @@ def step_check_ready(*, step_id: int, now: datetime | None = None) -> bool:
                                   job__status=JobStatus.RUNNING),
                           sent_at=now, timings=timings)
         if moved:
-            transaction.on_commit(lambda: delivery.send_train_step(step.pk))
+            transaction.on_commit(lambda: delivery.send_train_step(step.pk), robust=True)
     if moved and open_ids:
         _cancel_rollouts(step.job.project, open_ids)
     return bool(moved)
@@ -372,7 +372,7 @@ def _step_finish(step: TrainingStep, result: TrainResult) -> str:
         _track_best(job, step, result.metrics)
         if job.status == JobStatus.RUNNING:
             _advance(job, step, produced, now)
-    transaction.on_commit(lambda: _retain(job))
+    transaction.on_commit(lambda: _retain(job), robust=True)
     return "done"
 
 
@@ -435,7 +435,7 @@ def step_record_failure(*, step_id: int, attempt: int, error: str,
                 _step_plan(step.job, algorithm, n=step.n, resources_version=step.resources_version,
                            round=step.round + 1, attempts=attempt, error=error)
             elif moved:
-                transaction.on_commit(lambda: delivery.send_train_step(step.pk))
+                transaction.on_commit(lambda: delivery.send_train_step(step.pk), robust=True)
         return "retry" if moved else "lost"
     step.refresh_from_db()
     if step.status != StepStatus.TRAINING or step.attempts != attempt:
@@ -565,7 +565,7 @@ def _reopen(job: TrainingJob) -> None:
         if not unfinished and not counts.get(RolloutStatus.CANCELLED):
             step_move(step.pk, expect=[step.status], to=StepStatus.READY, attempts=0, error="",
                       sent_at=_now())
-            transaction.on_commit(lambda: delivery.send_train_step(step.pk))
+            transaction.on_commit(lambda: delivery.send_train_step(step.pk), robust=True)
             return
         algorithm = algorithm_load(job.algorithm, job_config(job))
         _step_plan(job, algorithm, n=step.n, resources_version=step.resources_version,

@@ -51,7 +51,7 @@ def rollouts_terminal(rollouts: Iterable[Rollout], delta: int = 1,
         completed = _count_orm(counts, delta, now)
     if completed:
         owners = sorted({owner for _, owner in completed})
-        transaction.on_commit(lambda: hooks.notify_groups_completed(owners))
+        transaction.on_commit(lambda: hooks.notify_groups_completed(owners), robust=True)
 
 
 def completed_at_sql(delta: str) -> str:
