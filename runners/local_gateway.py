@@ -28,15 +28,39 @@ class LocalGateway:
         self.retry = retry
 
     def claim(self, *, worker_id: str, limit: int = 1) -> list[Claim]:
-        claimed = self.retry.call(lambda: services.rollout_dequeue_many(
-            project=self.project, worker_id=worker_id, limit=limit
-        ), what="dequeue")
+        tries, since = 0, timezone.now()
+
+        def dequeue() -> list[tuple[Rollout, Attempt]]:
+            nonlocal tries
+            tries += 1
+            if tries > 1:  # the last try's commit may have landed, its answer lost
+                held = selectors.claims_held_by(project=self.project, worker_id=worker_id,
+                                                since=since, limit=limit)
+                if held:
+                    return held
+            return services.rollout_dequeue_many(project=self.project, worker_id=worker_id,
+                                                 limit=limit)
+
+        claimed = self.retry.call(dequeue, what="dequeue")
         return [_claim(rollout, attempt) for rollout, attempt in claimed]
 
     def claim_rollout(self, *, rollout_id: str, worker_id: str) -> Claim | None:
-        claimed = self.retry.call(lambda: services.rollout_claim(
-            project=self.project, rollout_id=rollout_id, worker_id=worker_id
-        ), what=f"claim {rollout_id}")
+        tries, since = 0, timezone.now()
+
+        def claim() -> tuple[Rollout, Attempt] | None:
+            nonlocal tries
+            tries += 1
+            claimed = services.rollout_claim(project=self.project, rollout_id=rollout_id,
+                                             worker_id=worker_id)
+            if claimed is None and tries > 1:
+                # Not queued any more: perhaps because the last try's commit landed and only
+                # its answer was lost. Ours then (the worker id is this process's): adopt it.
+                held = selectors.claims_held_by(project=self.project, worker_id=worker_id,
+                                                since=since, rollout_id=rollout_id)
+                claimed = held[0] if held else None
+            return claimed
+
+        claimed = self.retry.call(claim, what=f"claim {rollout_id}")
         return _claim(*claimed) if claimed else None
 
     def resources(self, *, resources_id: str, version: int | None) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from functools import reduce
 from operator import and_, or_
 from typing import Any, Generic, TypeVar
@@ -14,7 +15,7 @@ from django.db.models import Count, F, OrderBy, Q, QuerySet
 from store import waits, wakeups
 from store.errors import BadQuery, InvalidInput, NotFound
 from store.models import Attempt, Project, ResourceSet, ResourceVersion, Rollout, Span, Worker
-from store.statemachine import ROLLOUT_TERMINAL
+from store.statemachine import ROLLOUT_TERMINAL, AttemptStatus
 
 T = TypeVar("T")
 
@@ -319,6 +320,23 @@ def rollouts_first_error(*, rollout_ids: Sequence[str]) -> str | None:
     if not error and attempt is not None:
         error = f"attempt {attempt.attempt_id} ended {attempt.status}"
     return f"rollout {failed.pk}: {error or 'failed'}"
+
+
+def claims_held_by(*, project: Project, worker_id: str, since: datetime,
+                   rollout_id: str | None = None, limit: int = 1
+                   ) -> list[tuple[Rollout, Attempt]]:
+    """Rollouts whose latest attempt this worker claimed at or after `since` and has not
+    started (preparing): what a claim whose commit landed but whose answer was lost left
+    behind, for its retry to adopt (else the attempt would be held by nobody until the
+    watchdog's limit). `since`, the first try's time, keeps out attempts the worker already
+    holds and runs (a runner with several slots claims under one worker id)."""
+    rollouts = (Rollout.objects.filter(project=project, latest_attempt__worker_id=worker_id,
+                                       latest_attempt__status=AttemptStatus.PREPARING,
+                                       latest_attempt__start_time__gte=since)
+                .select_related("latest_attempt").order_by("latest_attempt__start_time"))
+    if rollout_id is not None:
+        rollouts = rollouts.filter(pk=rollout_id)
+    return [(r, r.latest_attempt) for r in rollouts[:limit]]
 
 
 def rollout_cancelled_ids(*, project: Project, rollout_ids: Sequence[str]) -> set[str]:

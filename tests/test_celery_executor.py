@@ -5,7 +5,9 @@ from __future__ import annotations
 import threading
 
 import pytest
+from django.db import OperationalError
 
+from lightning_site.retry import RetryPolicy
 from runners import executor
 from runners import services as runner_services
 from runners.agent import AgentError, load_agent
@@ -239,3 +241,51 @@ def test_a_task_interrupted_before_its_claim_owes_the_rollout_a_message(project,
         runner_services.rollout_run(project_id=project.pk, rollout_id=rollout.pk, worker_id="w")
     due = services.rollout_dispatch_due(resend_after_seconds=300, limit=5)
     assert [d.rollout_id for d in due] == [rollout.pk]
+
+
+@pytest.mark.parametrize("named", [True, False])
+def test_a_claim_whose_answer_was_lost_is_adopted_by_its_retry(project, monkeypatch, named):
+    """The claim committed, then the connection dropped before its answer came back: the
+    retry finds the rollout no longer queued. It adopts the attempt that carries its own
+    worker id instead of reporting 'not queued' and leaving it held by nobody."""
+    rollout = services.rollout_enqueue(project=project, spec=RolloutSpec(input={"i": 1}))
+    name = "rollout_claim" if named else "rollout_dequeue_many"
+    real, committed = getattr(services, name), []
+
+    def commit_then_lose_the_answer(**kwargs):
+        result = real(**kwargs)
+        if not committed:
+            committed.append(result)
+            raise OperationalError("server closed the connection unexpectedly")
+        return result
+
+    monkeypatch.setattr(services, name, commit_then_lose_the_answer)
+    gateway = LocalGateway(project, retry=RetryPolicy(retries=2, backoff=0.01))
+    if named:
+        claim = gateway.claim_rollout(rollout_id=rollout.pk, worker_id="w-lost")
+    else:
+        claim = next(iter(gateway.claim(worker_id="w-lost")), None)
+    assert committed and claim is not None and claim.rollout_id == rollout.pk
+    attempt = selectors.rollout_get(project=project, rollout_id=rollout.pk).latest_attempt
+    assert (attempt.attempt_id, attempt.sequence_id, attempt.worker_id) == (
+        claim.attempt_id, 1, "w-lost")
+
+
+def test_a_retried_dequeue_never_adopts_an_attempt_the_worker_already_runs(project, monkeypatch):
+    """A runner with several slots claims under one worker id: an attempt it claimed before
+    (still preparing, its agent starting) is not the lost answer of this dequeue."""
+    services.rollout_enqueue_many(project=project, specs=[RolloutSpec(input={"i": i})
+                                                          for i in range(2)])
+    gateway = LocalGateway(project, retry=RetryPolicy(retries=2, backoff=0.01))
+    running = gateway.claim(worker_id="w-slots")[0]
+    real, failed = services.rollout_dequeue_many, []
+
+    def fail_once_before_committing(**kwargs):
+        if not failed:
+            failed.append(True)
+            raise OperationalError("server closed the connection unexpectedly")
+        return real(**kwargs)
+
+    monkeypatch.setattr(services, "rollout_dequeue_many", fail_once_before_committing)
+    again = gateway.claim(worker_id="w-slots")
+    assert failed and len(again) == 1 and again[0].rollout_id != running.rollout_id
