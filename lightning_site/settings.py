@@ -165,6 +165,9 @@ STORE_SWEEP_BATCH_SIZE = env_int("STORE_SWEEP_BATCH_SIZE", 500, minimum=1)
 STORE_RESOURCES_KEEP_LAST = env_int("STORE_RESOURCES_KEEP_LAST", 20, minimum=1)
 # Default bound on how long a rollout may wait in the queue; 0 means unbounded (AGL's behaviour).
 STORE_QUEUE_TIMEOUT_SECONDS = env_float("STORE_QUEUE_TIMEOUT_SECONDS", 0.0, minimum=0.0)
+# A claimed attempt that never reports (no heartbeat, status or span) is unresponsive after this
+# many seconds whatever its config: a lost dequeue answer never strands a rollout. 0: no bound.
+STORE_FIRST_REPORT_SECONDS = env_float("STORE_FIRST_REPORT_SECONDS", 300.0, minimum=0.0)
 
 # --- The REST API (store/api; README "Runner API") ------------------------------------------
 REST_FRAMEWORK = {

@@ -21,6 +21,7 @@ from store.services._bulk import bulk_set
 from store.services._common import (
     ROLLOUT_FOLLOW_FIELDS,
     attempt_deadline,
+    first_report_seconds,
     follow_latest_attempt,
     set_attempt_status,
     worker_sync_for_attempts,
@@ -179,7 +180,13 @@ def _verdict(attempt: Attempt, config: RolloutConfig, now: datetime) -> str | No
         return AttemptStatus.TIMEOUT
     if config.unresponsive_seconds:
         return AttemptStatus.UNRESPONSIVE  # no report within the window the deadline holds
-    attempt.deadline = attempt_deadline(config, attempt.start_time, None)
+    never_reported = attempt.last_heartbeat_time is None
+    if never_reported and first_report_seconds() and age >= first_report_seconds():
+        return AttemptStatus.UNRESPONSIVE  # claimed, then nothing: the claim's window
+    # Not due after all (the config changed): the timeout, and the claim's window if the
+    # attempt never reported (no unresponsive limit: the stored time plays no part).
+    attempt.deadline = attempt_deadline(config, attempt.start_time,
+                                        None if never_reported else attempt.start_time)
     return None
 
 

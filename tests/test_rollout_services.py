@@ -216,7 +216,7 @@ def test_claim_named_rollout_once(project):
 
 
 @pytest.mark.parametrize("config,expected", [
-    ({}, None),
+    ({}, 300),  # STORE_FIRST_REPORT_SECONDS: the claim's window until a first report
     ({"timeout_seconds": 30}, 30),
     ({"unresponsive_seconds": 10}, 10),
     ({"timeout_seconds": 30, "unresponsive_seconds": 10}, 10),
@@ -280,7 +280,8 @@ def test_a_limit_no_deadline_can_hold_is_refused_at_enqueue(project, config, fie
     assert not Rollout.objects.filter(project=project).exists()
 
 
-def test_the_longest_limit_is_claimed_with_its_deadline(project):
+def test_the_longest_limit_is_claimed_with_its_deadline(project, settings):
+    settings.STORE_FIRST_REPORT_SECONDS = 0  # else the claim's window comes first
     services.rollout_enqueue(project=project, spec=RolloutSpec(
         input=1, config={"timeout_seconds": 3.2e9, "unresponsive_seconds": 3.2e9}))
     rollout, attempt = claim(project)

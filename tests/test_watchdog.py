@@ -181,3 +181,32 @@ def test_sweep_on_call_sees_only_its_own_project(project):
     assert watchdog.sweep_on_call(project.pk) is None
     attempt.refresh_from_db()
     assert attempt.status == "preparing"
+
+
+@pytest.mark.parametrize("config", [{}, {"timeout_seconds": 3600}])
+def test_a_claim_never_reported_on_goes_unresponsive_after_the_first_report_window(
+        project, config):
+    """A dequeue answer lost on the way (or a runner killed right after its claim) left a
+    rollout without limits `preparing` forever: a claim has STORE_FIRST_REPORT_SECONDS."""
+    enqueue(project, 2, config=config)
+    rollout, attempt = claim(project)
+    reported, other = claim(project)
+    services.attempt_update(project=project, rollout_id=reported.pk,
+                            attempt_id=other.attempt_id, status="running")
+    backdate(attempt, 299)
+    backdate(other, 301)
+    assert watchdog.sweep().changed == 0
+    backdate(attempt, 2)
+    result = watchdog.sweep()
+    assert result.unresponsive == [f"{rollout.pk}/{attempt.attempt_id}"]
+    rollout.refresh_from_db()
+    other.refresh_from_db()
+    assert rollout.status == "failed" and other.status == "running"
+
+
+def test_the_first_report_window_can_be_turned_off(project, settings):
+    settings.STORE_FIRST_REPORT_SECONDS = 0
+    enqueue(project, 1)
+    _, attempt = claim(project)
+    attempt.refresh_from_db()
+    assert attempt.deadline is None

@@ -15,7 +15,7 @@ from django.db.models import Q
 from store.ids import new_attempt_id
 from store.models import Attempt, Project, Rollout
 from store.services._bulk import bulk_set
-from store.services._common import attempt_deadline, worker_mark_dequeued
+from store.services._common import attempt_deadline, first_report_seconds, worker_mark_dequeued
 from store.services._rows import KEY_LIVE_SQL_NAMED, LiveKey, require_key_live, row_instance
 from store.statemachine import QUEUED, AttemptStatus, RolloutConfig, RolloutStatus
 
@@ -93,11 +93,12 @@ def _claim_orm(project, worker_id, limit, now, rollout_id) -> list[tuple[Rollout
     return list(zip(rollouts, attempts, strict=True))
 
 
-# The deadline rule of _common.attempt_deadline, in SQL: the earlier of the timeout and the
-# unresponsive limit counted from the start (LEAST skips NULLs).
+# The deadline rule of _common.attempt_deadline, in SQL: the earliest of the timeout, the
+# unresponsive limit and the first-report window, counted from the start (LEAST skips NULLs).
 _DEADLINE_SQL = (
     "LEAST(%(now)s + make_interval(secs => (p.config->>'timeout_seconds')::float8), "
-    "%(now)s + make_interval(secs => (p.config->>'unresponsive_seconds')::float8))"
+    "%(now)s + make_interval(secs => (p.config->>'unresponsive_seconds')::float8), "
+    "%(now)s + make_interval(secs => %(first_report)s::float8))"
 )
 
 
@@ -132,6 +133,7 @@ def _claim_sql(project, worker_id, limit, now, rollout_id, idle_if_none, live_ke
                ) -> list[tuple[Rollout, Attempt]]:
     sql, defaults = _claim_statement(bool(rollout_id), bool(worker_id), live_key is not None)
     params = {**defaults, "project": project.pk, "now": now, "worker": worker_id,
+              "first_report": first_report_seconds() or None,
               "limit": limit, "rid": rollout_id, "idle_if_none": idle_if_none,
               "key": live_key and live_key[0], "key_role": live_key and live_key[1]}
     with connection.cursor() as cursor:

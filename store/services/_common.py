@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
+from django.conf import settings
 from django.db import connection
 from django.db.models import F, Q
 
@@ -26,14 +27,24 @@ from store.statemachine import (
 def attempt_deadline(
     config: RolloutConfig, start: datetime, heartbeat: datetime | None
 ) -> datetime | None:
-    """When the watchdog must next look at a live attempt (None: never)."""
+    """When the watchdog must next look at a live attempt (None: never). An attempt that has
+    not reported yet (`heartbeat` None) also has STORE_FIRST_REPORT_SECONDS from its claim."""
     candidates = []
     if config.timeout_seconds:
         candidates.append(_after(start, config.timeout_seconds))
     if config.unresponsive_seconds:
         candidates.append(_after(heartbeat or start, config.unresponsive_seconds))
+    if heartbeat is None and first_report_seconds():
+        candidates.append(_after(start, first_report_seconds()))
     candidates = [c for c in candidates if c is not None]
     return min(candidates) if candidates else None
+
+
+def first_report_seconds() -> float:
+    """How long a claimed attempt may go without any report (heartbeat, status or span)
+    before the watchdog calls it unresponsive, whatever its config: a dequeue answer lost on
+    the way or a runner killed right after its claim never strand a rollout. 0: no bound."""
+    return settings.STORE_FIRST_REPORT_SECONDS
 
 
 def _after(base: datetime, seconds: float) -> datetime | None:
