@@ -112,6 +112,10 @@ class StoreCollector(Collector):
                      ["queue"], (((q.queue,), len(q.live_workers)) for q in states))
         yield _gauge("lightning_workers_live_cuda", "Live Celery workers with CUDA per queue",
                      ["queue"], (((q.queue,), len(q.cuda_workers)) for q in states))
+        yield _gauge("lightning_worker_slots_held_by_ended_attempts",
+                     "Worker slots still running an agent whose attempt the store already ended "
+                     "(freed within RUNNERS_STOP_GRACE_SECONDS in prefork pools)",
+                     ["queue"], (((q.queue,), q.held_by_ended) for q in states))
 
     def _training(self) -> Iterator[GaugeMetricFamily]:
         wait, train = [], []

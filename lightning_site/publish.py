@@ -12,7 +12,7 @@ which remains for messages that were published and then lost.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,30 @@ class Message:
     queue: str
 
 
+# Send options per task name (e.g. time limits), computed for a batch of that task's messages;
+# registered by the app owning the task (runners.apps registers the rollout task's limits).
+OptionsFor = Callable[[Sequence[Message]], list[dict[str, Any]]]
+_options_for: dict[str, OptionsFor] = {}
+
+
+def register_options(task: str, options_for: OptionsFor) -> None:
+    _options_for[task] = options_for
+
+
+def _options(messages: Sequence[Message]) -> list[dict[str, Any]]:
+    options: list[dict[str, Any]] = [{} for _ in messages]
+    for task, options_for in _options_for.items():
+        at = [i for i, message in enumerate(messages) if message.task == task]
+        if not at:
+            continue
+        try:
+            for i, extra in zip(at, options_for([messages[i] for i in at]), strict=True):
+                options[i] = extra
+        except Exception:  # the options are a refinement: the messages go without them
+            log.exception("send options for %s could not be computed", task)
+    return options
+
+
 def publish(messages: Sequence[Message]) -> list[Message]:
     """Send the messages in order over one broker connection; returns those not sent (the
     first failure and everything after it)."""
@@ -39,10 +63,12 @@ def publish(messages: Sequence[Message]) -> list[Message]:
     if not messages:
         return []
     try:
+        options = _options(messages)
         with celery_app.producer_or_acquire() as producer:
-            for message in messages:
+            for message, extra in zip(messages, options, strict=True):
                 celery_app.send_task(message.task, kwargs=message.kwargs, queue=message.queue,
-                                     producer=producer, retry=True, retry_policy=PUBLISH_RETRY)
+                                     producer=producer, retry=True, retry_policy=PUBLISH_RETRY,
+                                     **extra)
                 sent += 1
     except Exception as exc:  # the broker is down or refused: the rows say what is owed
         log.warning("published %d of %d messages; the rest wait for the next reconcile: %r",

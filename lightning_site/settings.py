@@ -258,6 +258,11 @@ CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
 # --- Runners (the executor, runners/executor.py) ---------------------------------------------
 # Seconds between heartbeats of a running attempt (the watchdog's unresponsive check reads them).
 RUNNERS_HEARTBEAT_SECONDS = env_float("RUNNERS_HEARTBEAT_SECONDS", 5.0, minimum=0.05)
+# When the store has ended an attempt (timeout, unresponsive, cancelled) whose agent still runs,
+# the agent is stopped; if it has not returned this many seconds later, a prefork pool process
+# exits and the pool replaces it (the slot is freed). Threads cannot be stopped: they are left
+# to finish, shown as slots held by ended attempts (README "Hung agents").
+RUNNERS_STOP_GRACE_SECONDS = env_float("RUNNERS_STOP_GRACE_SECONDS", 5.0, minimum=0.0)
 # Spans are shipped when this many are waiting, or at the next heartbeat.
 RUNNERS_SPAN_BATCH_SIZE = env_int("RUNNERS_SPAN_BATCH_SIZE", 100, minimum=1)
 # Rollouts enqueued for Celery without an unresponsive limit get this one (0: none), so an

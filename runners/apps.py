@@ -17,7 +17,11 @@ class RunnersConfig(AppConfig):
         # Every worker of this app registers itself (host, queues, CPUs, CUDA) and heartbeats.
         celery_app.steps["worker"].add("runners.worker_registry:WorkerRegistryStep")
         # A worker restarted under its node name takes over its dead processes' rollouts.
-        from runners import services
+        from lightning_site.publish import register_options
+        from runners import services, stopping  # noqa: F401 - stopping: its pool-process signal
+
+        # Rollout tasks carry time limits that follow each rollout's timeout (the backstop).
+        register_options(services.RUN_ROLLOUT_TASK, services.rollout_task_options)
 
         register_takeover("rollouts", lambda node, pid: len(
             services.celery_worker_take_over(name=node, pid=pid)))

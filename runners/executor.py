@@ -23,6 +23,7 @@ from runners.agent import Agent, RolloutInfo, call_agent, load_agent
 from runners.agl_compat import call_agl_agent, is_agl_agent
 from runners.gateway import Claim, StoreGateway
 from runners.llm import route_llm_resources
+from runners.stopping import HeldSlots, Stopper, may_exit_process
 from runners.tracing import AGL_ROLLOUT, attempt_tracing, emit_reward, tracer
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,10 @@ class AttemptCancelled(BaseException):
 class ExecutorOptions:
     heartbeat_seconds: float = 5.0
     span_batch_size: int = 100
+    # An agent still running this long after the store ended its attempt is given up on
+    # (runners/stopping.py); `held` records its slot meanwhile.
+    stop_grace_seconds: float = 5.0
+    held: HeldSlots | None = None
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,11 @@ def _execute(gateway: StoreGateway, claim: Claim, agent: Agent | str, worker_id:
         # No heartbeat before the agent starts: the claim just took a queued rollout, and the
         # first span batch or heartbeat (whichever comes first) moves the attempt to running.
         watcher.spans = spans
+        watcher.stopper = Stopper(
+            rollout_id=claim.rollout_id, attempt_id=claim.attempt_id,
+            grace=options.stop_grace_seconds, running=guard.running, may_exit=may_exit_process(),
+            held=options.held, before_exit=lambda: _ship_rest(gateway, spans),
+        )
         watcher.start()
         try:
             outcome = _run(gateway, claim, agent, info, guard)
@@ -170,6 +180,9 @@ class _CancelGuard:
                 # Drop a stop that was raised too late to land inside the agent.
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_id), None)
 
+    def running(self) -> bool:
+        return self._running
+
     def cancel(self) -> None:
         self.info.cancelled.set()
         with self._lock:
@@ -193,6 +206,7 @@ class _Watcher(threading.Thread):
         self.interval = interval
         self.guard = guard
         self.spans: Any = None
+        self.stopper: Stopper | None = None
         self._wake = threading.Event()
         self._done = threading.Event()
 
@@ -203,6 +217,8 @@ class _Watcher(threading.Thread):
         self._done.set()
         self._wake.set()
         self.join()
+        if self.stopper is not None:
+            self.stopper.close()
 
     def run(self) -> None:
         try:
@@ -233,3 +249,5 @@ class _Watcher(threading.Thread):
                                           worker_id=self.worker_id)
         if stop:
             self.guard.cancel()
+            if self.stopper is not None:
+                self.stopper.ended()

@@ -40,3 +40,27 @@ class CeleryWorker(models.Model):
     @property
     def cuda_memory(self) -> int:
         return sum(d.get("total_memory", 0) for d in self.cuda_devices or [])
+
+
+class HeldSlot(models.Model):
+    """A worker slot still running an agent whose attempt the store already ended (timeout,
+    unresponsive, cancelled). The executor marks it each heartbeat while the agent runs on and
+    removes it when the agent returns or its pool process exits (runners/stopping.py); a row
+    not seen for a while belongs to a process that died, and the reconcile removes it."""
+
+    rollout_id = models.CharField(max_length=64)
+    attempt_id = models.CharField(max_length=64)
+    project_id = models.BigIntegerField()
+    worker_id = models.CharField(max_length=200)
+    attempt_status = models.CharField(max_length=16)
+    since = models.DateTimeField()
+    seen = models.DateTimeField()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["rollout_id", "attempt_id"], name="heldslot_attempt"),
+        ]
+        indexes = [models.Index(fields=["seen"], name="heldslot_seen")]
+
+    def __str__(self) -> str:
+        return f"{self.rollout_id}/{self.attempt_id} on {self.worker_id}"

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from django.db.models import Count
 
 from lightning_site.queues import Queue
+from runners.held_slots import held_slots
 from runners.models import CeleryWorker
 from store.models import Project, Rollout
 from store.statemachine import QUEUED, ROLLOUT_TERMINAL
@@ -20,6 +21,8 @@ class QueueState:
     cuda_workers: list[str]
     # Why work sent to this queue would wait (None: a live worker serves it).
     waiting_reason: str | None
+    # Slots still running an agent whose attempt the store already ended (runners/stopping.py).
+    held_by_ended: int = 0
 
 
 def celery_workers_live() -> list[CeleryWorker]:
@@ -39,7 +42,8 @@ def queue_state(*, queue: str, needs_cuda: bool = False,
     elif needs_cuda and not cuda:
         reason = (f"no live worker with CUDA serves queue '{queue}' "
                   f"({len(serving)} CPU-only worker(s) do)")
-    return QueueState(queue, [w.name for w in serving], cuda, reason)
+    held = len(held_slots()) if queue == Queue.ROLLOUTS.value else 0
+    return QueueState(queue, [w.name for w in serving], cuda, reason, held)
 
 
 def queue_states() -> list[QueueState]:

@@ -19,8 +19,10 @@ from lightning_site import control
 from lightning_site.processes import process_alive
 from lightning_site.publish import Message, publish
 from lightning_site.queues import Queue
+from runners import stopping
 from runners.agent import AgentError, load_agent
 from runners.executor import FAILED, ExecutorOptions, Outcome, execute
+from runners.held_slots import HeldSlotRecorder, held_slots_forget
 from runners.local_gateway import LocalGateway
 from runners.models import CeleryWorker
 from store import services as store_services
@@ -41,6 +43,7 @@ def executor_options() -> ExecutorOptions:
     return ExecutorOptions(
         heartbeat_seconds=settings.RUNNERS_HEARTBEAT_SECONDS,
         span_batch_size=settings.RUNNERS_SPAN_BATCH_SIZE,
+        stop_grace_seconds=settings.RUNNERS_STOP_GRACE_SECONDS,
     )
 
 
@@ -79,8 +82,10 @@ def rollout_run(*, project_id: int, rollout_id: str, worker_id: str) -> str:
         gateway.finish(rollout_id=claim.rollout_id, attempt_id=claim.attempt_id, status="failed",
                        error=error)
         raise RolloutFailed(f"{claim.rollout_id}/{claim.attempt_id}: {error}")
+    options = dataclasses.replace(executor_options(),
+                                  held=HeldSlotRecorder(project.pk, worker_id))
     outcome: Outcome = execute(gateway=gateway, claim=claim, agent=claim.agent,
-                               worker_id=worker_id, options=executor_options())
+                               worker_id=worker_id, options=options)
     if outcome.status == FAILED:
         raise RolloutFailed(f"{claim.rollout_id}/{claim.attempt_id}: {_last_line(outcome.error)}")
     return outcome.status
@@ -209,6 +214,20 @@ def dispatches_send(dispatches: Sequence[Dispatch]) -> None:
         )
 
 
+def rollout_task_options(messages: Sequence[Message]) -> list[dict[str, Any]]:
+    """The rollout task's time limits (stopping.task_time_limits), from each rollout's
+    timeout, for every sender of rollout tasks (lightning_site.publish.register_options)."""
+    ids = [m.kwargs["rollout_id"] for m in messages]
+    timeouts = dict(Rollout.objects.filter(pk__in=ids)
+                    .values_list("pk", "config__timeout_seconds"))
+    options = []
+    for rollout_id in ids:
+        timeout = timeouts.get(rollout_id)
+        limits = stopping.task_time_limits(timeout if isinstance(timeout, int | float) else None)
+        options.append({"soft_time_limit": limits[0], "time_limit": limits[1]} if limits else {})
+    return options
+
+
 def _with_default_unresponsive(spec: RolloutSpec) -> RolloutSpec:
     default = settings.RUNNERS_DEFAULT_UNRESPONSIVE_SECONDS
     config = dict(spec.config or {})
@@ -292,6 +311,7 @@ def control_reconcile() -> dict[str, int]:
         "workers_lost": len(
             celery_workers_mark_lost(lost_after_seconds=settings.WORKERS_LOST_AFTER_SECONDS)
         ),
+        "held_slots_forgotten": held_slots_forget(),
     }
     counts.update(control.run_reconcilers())
     return counts

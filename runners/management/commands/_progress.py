@@ -9,6 +9,7 @@ from django.core.management.base import CommandError
 from tqdm import tqdm
 
 from runners import selectors
+from runners.held_slots import held_slots
 from store import services
 from store.models import Project
 from store.rewards import mean_reward
@@ -38,6 +39,9 @@ def summary(project: Project, by_status: dict[str, int]) -> str:
     text = f"{counts} | live workers: {len(live)}"
     if queue.waiting_reason:
         text += f" | waiting: {queue.waiting_reason}"
+    held = held_slots()
+    if held:
+        text += f" | slots held by ended attempts: {len(held)}"
     return text
 
 

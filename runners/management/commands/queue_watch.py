@@ -2,6 +2,7 @@ from django.core.management.base import BaseCommand
 
 from lightning_site.console import progress_stream
 from runners import selectors
+from runners.held_slots import held_slots
 from runners.management.commands._progress import follow, project_named, summary
 
 
@@ -23,7 +24,14 @@ class Command(BaseCommand):
             line = f"queue {state.queue}: {workers}"
             if state.waiting_reason:
                 line += f" (waiting: {state.waiting_reason})"
+            if state.held_by_ended:
+                line += (f" ({state.held_by_ended} slots held by attempts that already ended; "
+                         f"RUNNERS_STOP_GRACE_SECONDS)")
             self.stdout.write(line)
+        for slot in held_slots():
+            self.stdout.write(f"  held: {slot.rollout_id}/{slot.attempt_id} "
+                              f"({slot.attempt_status}) on {slot.worker_id} since "
+                              f"{slot.since:%H:%M:%S}")
         if once:
             by_status = selectors.rollouts_by_status(project=project)
             self.stdout.write(summary(project, by_status))

@@ -6,11 +6,12 @@ from django.core.management.base import BaseCommand, CommandError
 
 from lightning_site.console import progress_stream, quiet_libraries
 from lightning_site.embedded import embedded_workers
-from runners import services
+from runners import selectors, services
 from runners.management.commands._progress import follow, project_named, reward_line
 from store import selectors as store_selectors
 from store.errors import StoreError
 from store.services import RolloutSpec
+from store.statemachine import ROLLOUT_TERMINAL
 
 
 class Command(BaseCommand):
@@ -65,6 +66,7 @@ class Command(BaseCommand):
                 self.stdout.write(reward_line([r.pk for r in rollouts]))
                 self.stdout.write(json.dumps(by_status, sort_keys=True))  # last: for scripts
                 _fail_loudly(by_status, [r.pk for r in rollouts])
+                _unfinished_loudly(by_status, project.name)
 
     def _inputs(self, opts) -> list:
         if opts["inputs_file"]:
@@ -87,3 +89,14 @@ def _fail_loudly(by_status: dict[str, int], rollout_ids: list[str]) -> None:
     if failed:
         first = store_selectors.rollouts_first_error(rollout_ids=rollout_ids)
         raise CommandError(f"{failed} of {len(rollout_ids)} rollouts failed; first: {first}")
+
+
+def _unfinished_loudly(by_status: dict[str, int], project: str) -> None:
+    """A wait that ended (--wait-timeout) with rollouts not finished exits non-zero."""
+    total = sum(by_status.values())
+    unfinished = total - selectors.finished_count(by_status)
+    if unfinished:
+        open_counts = ", ".join(f"{status}={n}" for status, n in sorted(by_status.items())
+                                if status not in ROLLOUT_TERMINAL)
+        raise CommandError(f"the wait ended with {unfinished} of {total} rollouts not finished "
+                           f"({open_counts}); see `queue_watch {project}`")
