@@ -113,3 +113,19 @@ def test_ctrl_c_on_embedded_train_pauses_the_job_and_says_how_to_go_on(tmp_path)
         assert db.execute("SELECT status FROM trainer_trainingjob").fetchall() == [("paused",)]
         workers = db.execute("SELECT status FROM runners_celeryworker").fetchall()
     assert workers and set(workers) == {("stopped",)}
+
+
+@pytest.mark.slow
+def test_embedded_baseline_whose_rollouts_all_fail_exits_non_zero_with_the_first_error(tmp_path):
+    """Issue 26 finding 2: an evaluation-only job whose rollouts all failed ended `succeeded`,
+    rc 0."""
+    env = embedded_env(tmp_path)
+    subprocess.run(manage("migrate", "-v0"), env=env, cwd=ROOT, check=True, timeout=300)
+    run = subprocess.run(manage("train", "tests.trainer_specs.broken_baseline_spec", "--quiet",
+                                "--set", "max_step_attempts=1"),
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "job 1: failed" in run.stdout
+    assert "4 of 4 validation rollouts failed" in run.stdout
+    assert "the broken agent fails every rollout" in run.stdout
+    assert "job 1 failed" in run.stderr

@@ -52,9 +52,9 @@ JOB_DEFAULTS: dict[str, Any] = {
     "seed": 0,
     # tries of one train step (a worker killed mid-step counts) before the job fails
     "max_step_attempts": 3,
-    # a step whose share of failed train rollouts is above this is a failed try: its
-    # rollouts run again (a new round) while tries are left, then the job fails with the
-    # first rollout's error, instead of "succeeding" on nothing
+    # a step whose share of failed train rollouts, or of failed validation rollouts, is above
+    # this is a failed try: its rollouts run again (a new round) while tries are left, then
+    # the job fails with the first rollout's error, instead of "succeeding" on nothing
     "max_failed_rollout_share": 0.5,
     # a claimed step is its worker's until then; longer than the slowest train step
     "step_lease_seconds": 120,
@@ -308,18 +308,22 @@ def step_train(*, step_id: int, worker: str | None = None,
 
 
 def _rollouts_failure(step: TrainingStep) -> str | None:
-    """Why the step's train rollouts are no basis for a step: more than the job's
-    `max_failed_rollout_share` of them failed (a broken agent, an unreadable checkpoint).
-    None when they are."""
+    """Why the step's rollouts are no basis for a step: more than the job's
+    `max_failed_rollout_share` of its train rollouts, or of its validation rollouts (an
+    evaluation-only job has nothing else), failed (a broken agent, an unreadable
+    checkpoint). None when they are."""
     share = job_config(step.job)["max_failed_rollout_share"]
-    train = selectors.step_rollouts(step=step).filter(mode="train")
-    failed = list(train.filter(status=RolloutStatus.FAILED).values_list("pk", flat=True))
-    total = step.rollout_count
-    if not total or len(failed) <= share * total:
-        return None
-    first = store_selectors.rollouts_first_error(rollout_ids=failed)
-    return (f"{len(failed)} of {total} train rollouts failed (more than "
-            f"max_failed_rollout_share={share}); the first: {first}")
+    rollouts = selectors.step_rollouts(step=step)
+    for kind, of_kind, total in (
+        ("train", rollouts.filter(mode="train"), step.rollout_count),
+        ("validation", rollouts.exclude(mode="train"), step.val_rollout_count),
+    ):
+        failed = list(of_kind.filter(status=RolloutStatus.FAILED).values_list("pk", flat=True))
+        if total and len(failed) > share * total:
+            first = store_selectors.rollouts_first_error(rollout_ids=failed)
+            return (f"{len(failed)} of {total} {kind} rollouts failed (more than "
+                    f"max_failed_rollout_share={share}); the first: {first}")
+    return None
 
 
 def _train(step: TrainingStep) -> TrainResult:
