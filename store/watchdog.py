@@ -141,10 +141,13 @@ def _sweep_attempts(now: datetime, batch_size: int, result: SweepResult,
         lost, changed, finished = [], {}, []
         for attempt in attempts:
             rollout = rollouts[attempt.rollout_id]
-            verdict = _verdict(attempt, RolloutConfig.parse(rollout.config), now)
+            config = RolloutConfig.parse(rollout.config)
+            verdict = _verdict(attempt, config, now)
             if verdict is None:
                 continue
             set_attempt_status(attempt, verdict, now)
+            attempt.metadata = {**(attempt.metadata or {}),
+                                "error": verdict_error(attempt, verdict, config, now)}
             lost.append(attempt)
             key = f"{attempt.rollout_id}/{attempt.attempt_id}"
             timed_out = verdict == AttemptStatus.TIMEOUT
@@ -179,6 +182,18 @@ def _verdict(attempt: Attempt, config: RolloutConfig, now: datetime) -> str | No
         return AttemptStatus.UNRESPONSIVE
     attempt.deadline = attempt_deadline(config, attempt.start_time, attempt.last_heartbeat_time)
     return None
+
+
+def verdict_error(attempt: Attempt, verdict: str, config: RolloutConfig, now: datetime) -> str:
+    """The error a watchdog verdict records on its attempt (what a job's error and the
+    rollout task's failure quote)."""
+    if verdict == AttemptStatus.TIMEOUT:
+        age = (now - attempt.start_time).total_seconds()
+        return (f"timeout: the attempt ran {age:.1f} s, past its timeout_seconds="
+                f"{config.timeout_seconds:g} (ended by the watchdog)")
+    silent = (now - (attempt.last_heartbeat_time or attempt.start_time)).total_seconds()
+    return (f"unresponsive: no heartbeat for {silent:.1f} s, past its unresponsive_seconds="
+            f"{config.unresponsive_seconds:g} (ended by the watchdog)")
 
 
 def _expire_queue_waits(now: datetime, batch_size: int, result: SweepResult,
