@@ -17,3 +17,8 @@ def broken_baseline_spec(*, seed: int = 0, steps: int = 1) -> dict[str, Any]:
     spec["val_dataset"] = spec["val_dataset"][:4]
     return {**spec, "name": "broken-baseline", "agent": "tests.trainer_specs.broken_agent",
             "algorithm": "baseline"}
+
+
+def exploding_policy(**kwargs: Any) -> Any:
+    """A policy factory that imports but raises: checkpoint 0 cannot be written."""
+    raise RuntimeError("no policy today")

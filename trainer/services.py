@@ -94,12 +94,18 @@ def job_create(
     if not isinstance(merged["steps"], int) or merged["steps"] < 1:
         raise InvalidInput("config.steps", "must be an integer >= 1")
     RolloutConfig.parse(merged["rollout_config"])
+    if not isinstance(agent, str) or "." not in agent:
+        raise InvalidInput("agent", "must be a dotted path, e.g. 'myagents.math:agent'")
+    for field_name, dataset in (("train_dataset", train_dataset), ("val_dataset", val_dataset)):
+        if dataset is not None and not isinstance(dataset, list | tuple):
+            raise InvalidInput(field_name, f"must be a list of tasks, got "
+                               f"{type(dataset).__name__}")
     try:
         algorithm_load(algorithm, merged)
+    except InvalidInput:
+        raise
     except (ImportError, ValueError, KeyError) as exc:
         raise InvalidInput("algorithm", str(exc)) from None
-    if not agent or "." not in agent:
-        raise InvalidInput("agent", "must be a dotted path")
     return TrainingJob.objects.create(
         project=project, name=name, agent=agent, algorithm=algorithm, config=merged,
         train_dataset=list(train_dataset), val_dataset=list(val_dataset or []),
@@ -112,11 +118,19 @@ def job_start(*, job_id: int) -> TrainingJob:
     job = TrainingJob.objects.get(pk=job_id)
     if job.status != JobStatus.PENDING:
         return job
-    algorithm = algorithm_load(job.algorithm, job_config(job))
-    # The file is written before the transaction (no file work inside one); a start that
-    # loses the race below leaves a content-addressed file the winner also wrote.
-    resource = algorithm.save(algorithm.init_state(), name_prefix=f"jobs/{job.pk}", step=0)
-    published = algorithm.published_resources(resource, job_id=job.pk)
+    try:
+        algorithm = algorithm_load(job.algorithm, job_config(job))
+        # The file is written before the transaction (no file work inside one); a start that
+        # loses the race below leaves a content-addressed file the winner also wrote.
+        resource = algorithm.save(algorithm.init_state(), name_prefix=f"jobs/{job.pk}", step=0)
+        published = algorithm.published_resources(resource, job_id=job.pk)
+    except Exception as exc:
+        # A job that cannot write its checkpoint 0 fails now: left pending, nothing would
+        # ever start it (a policy factory that raises, a model directory that is not one).
+        error = f"job {job.pk} could not start: {exc!r}"
+        TrainingJob.objects.filter(pk=job.pk, status=JobStatus.PENDING).update(
+            status=JobStatus.FAILED, error=error, finished_at=_now())
+        raise JobError(error) from exc
     now = _now()
     with transaction.atomic():
         if not TrainingJob.objects.filter(pk=job.pk, status=JobStatus.PENDING).update(

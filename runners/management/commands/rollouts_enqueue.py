@@ -41,13 +41,14 @@ class Command(BaseCommand):
 
     def handle(self, *args, **opts):
         quiet_libraries(opts["verbosity"])
+        inputs = self._inputs(opts)  # checked before anything is created
         project = project_named(opts["project"], create=opts["create_project"])
         specs = [
             RolloutSpec(input=value, mode=opts["mode"], config={
                 "max_attempts": opts["max_attempts"], "retry_condition": opts["retry_on"],
                 "timeout_seconds": opts["timeout_seconds"],
             })
-            for value in self._inputs(opts)
+            for value in inputs
         ]
         embedded = settings.EMBEDDED_WORKERS
         with embedded_workers() if embedded else nullcontext():
@@ -68,8 +69,7 @@ class Command(BaseCommand):
 
     def _inputs(self, opts) -> list:
         if opts["inputs_file"]:
-            with open(opts["inputs_file"]) as lines:
-                return [json.loads(line) for line in lines if line.strip()]
+            return _read_inputs(opts["inputs_file"])
         if opts["count"] < 1:
             raise CommandError("--count must be >= 1")
         if opts["input"] is not None:
@@ -79,6 +79,29 @@ class Command(BaseCommand):
                 raise CommandError(f"--input is not JSON: {exc}") from None
             return [value] * opts["count"]
         return [{"index": i} for i in range(opts["count"])]
+
+
+def _read_inputs(path: str) -> list:
+    """The inputs of a JSON-lines file; a file that cannot be read, or a line that is not
+    JSON, is one line naming the file (and the line)."""
+    inputs = []
+    try:
+        with open(path, encoding="utf-8") as lines:
+            for number, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                try:
+                    inputs.append(json.loads(line.rstrip("\r\n")))
+                except json.JSONDecodeError as exc:
+                    raise CommandError(f"--inputs-file {path}:{number}: not JSON ({exc.msg}, "
+                                       f"column {exc.colno}); one JSON input per line") from None
+    except OSError as exc:
+        raise CommandError(f"--inputs-file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise CommandError(f"--inputs-file {path}: not UTF-8 text") from None
+    if not inputs:
+        raise CommandError(f"--inputs-file {path}: no inputs (one JSON input per line)")
+    return inputs
 
 
 def _fail_loudly(by_status: dict[str, int], rollout_ids: list[str]) -> None:
