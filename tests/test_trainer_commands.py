@@ -18,7 +18,6 @@ from django.core.management.base import CommandError
 
 from examples.cipher import job_spec
 from store import services as store_services
-from store.models import Project
 from tests.celery_fixtures import wait_until
 from trainer import services
 from trainer.models import JobStatus, TrainingJob
@@ -228,24 +227,3 @@ def test_a_job_that_cannot_write_its_first_checkpoint_fails_instead_of_staying_p
     assert "could not start: RuntimeError('no policy today')" in train_error("spec.json")
     job = TrainingJob.objects.get()
     assert job.status == JobStatus.FAILED and "no policy today" in job.error
-
-
-@pytest.mark.django_db
-def test_a_bad_inputs_file_is_one_line_naming_the_file_and_line(tmp_path, monkeypatch):
-    """Issue 26 finding 7: a missing or malformed --inputs-file was a traceback."""
-    monkeypatch.chdir(tmp_path)
-    Path("tasks.jsonl").write_text('{"i": 1}\n\n{"i": 2\n')
-    Path("empty.jsonl").write_text("\n")
-
-    def error(name: str) -> str:
-        with pytest.raises(CommandError) as raised:
-            call_command("rollouts_enqueue", "p", "--create-project", "--agent",
-                         "tests.celery_agents:ok_agent", "--inputs-file", name,
-                         stdout=StringIO())
-        return str(raised.value)
-
-    assert error("tasks.jsonl").startswith(
-        "--inputs-file tasks.jsonl:3: not JSON (Expecting ',' delimiter, column 8)")
-    assert error("nope.jsonl") == "--inputs-file nope.jsonl: No such file or directory"
-    assert error("empty.jsonl") == "--inputs-file empty.jsonl: no inputs (one JSON input per line)"
-    assert not Project.objects.filter(name="p").exists()
