@@ -5,7 +5,8 @@ The same code runs under the Celery rollout task (LocalGateway) and the remote r
 thread heartbeats and ships spans in batches, emit the returned reward, and finish the attempt
 `succeeded` or `failed` with the error recorded. When the store says the rollout was cancelled,
 the agent is stopped: `RolloutInfo.cancelled` is set and `AttemptCancelled` is raised in the
-agent's thread.
+agent's thread. When the store had already ended the attempt (the watchdog's timeout), the
+agent is stopped the same way and nothing is reported: the store's verdict stands ("ended").
 """
 
 from __future__ import annotations
