@@ -213,6 +213,13 @@ def test_spec_files_are_accepted_and_their_mistakes_named(tmp_path, monkeypatch,
     Path("empty.py").write_text("x = 1\n")
     assert train_error("empty.py") == "empty.py: the file defines no job_spec() function"
     assert "names no job spec" in train_error("examples.nothing_here")
+    Path("needs_more.py").write_text("import not_installed_pkg\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert train_error("needs_more") == (
+        "needs_more: importing it failed: No module named 'not_installed_pkg'")
+    assert train_error("needs_more.py") == (
+        "needs_more.py: loading it failed: ModuleNotFoundError(\"No module named "
+        "'not_installed_pkg'\")")
     assert "expected KEY=JSON" in train_error("examples.cipher", "--set", "lr")
     assert TrainingJob.objects.count() == 2
 

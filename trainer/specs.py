@@ -50,7 +50,9 @@ def spec_load(target: str) -> SpecSource:
         return _file_spec(path)
     try:
         module = importlib.import_module(target)
-    except ImportError:
+    except ImportError as exc:
+        if not _names_target(exc, target):  # the module is there; something it imports is not
+            raise SpecError(f"{target}: importing it failed: {exc}") from None
         module = None
     if module is not None:
         if not hasattr(module, "job_spec"):
@@ -61,6 +63,12 @@ def spec_load(target: str) -> SpecSource:
     except ImportError as exc:
         raise SpecError(f"{target!r} names no job spec (a module with job_spec(), its dotted "
                         f"path, a .py or a .json file): {exc}") from None
+
+
+def _names_target(exc: ImportError, target: str) -> bool:
+    """The import failed because `target` (or a package on its path) is not a module."""
+    name = getattr(exc, "name", None)
+    return not name or target == name or target.startswith(name + ".")
 
 
 def _json_spec(path: Path) -> dict[str, Any]:
