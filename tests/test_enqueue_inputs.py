@@ -80,3 +80,14 @@ def test_a_bad_resource_is_one_line_and_creates_nothing(tmp_path, monkeypatch):
     assert enqueue_error("--resource", "llm=@none.json") == (
         "--resource llm: none.json: No such file or directory")
     assert not Project.objects.filter(name="p").exists()
+
+
+@pytest.mark.django_db
+def test_an_agent_that_does_not_import_says_where_workers_look():
+    with pytest.raises(CommandError) as raised:
+        call_command("rollouts_enqueue", "p", "--create-project", "--agent",
+                     "myagents_not_here.math:agent", stdout=StringIO())
+    assert str(raised.value) == (
+        "agent: agent module 'myagents_not_here.math' cannot be imported: No module named "
+        "'myagents_not_here' (is the directory holding it on PYTHONPATH here? README 'Writing "
+        "an agent')")
