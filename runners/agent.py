@@ -68,7 +68,12 @@ def load_agent(path: str) -> Agent:
     try:
         target: Any = importlib.import_module(module_name)
     except ImportError as exc:
-        raise AgentError(f"agent module {module_name!r} cannot be imported: {exc}") from exc
+        hint = ""
+        if isinstance(exc, ModuleNotFoundError) and exc.name and (
+                module_name == exc.name or module_name.startswith(exc.name + ".")):
+            # The first try of a new user: the package is not on this process's path.
+            hint = " (is the directory holding it on PYTHONPATH here? README 'Writing an agent')"
+        raise AgentError(f"agent module {module_name!r} cannot be imported: {exc}{hint}") from exc
     for part in attr.split("."):
         try:
             target = getattr(target, part)

@@ -5,7 +5,8 @@ The same code runs under the Celery rollout task (LocalGateway) and the remote r
 thread heartbeats and ships spans in batches, emit the returned reward, and finish the attempt
 `succeeded` or `failed` with the error recorded. When the store says the rollout was cancelled,
 the agent is stopped: `RolloutInfo.cancelled` is set and `AttemptCancelled` is raised in the
-agent's thread.
+agent's thread. When the store had already ended the attempt (the watchdog's timeout), the
+agent is stopped the same way and nothing is reported: the store's verdict stands ("ended").
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from django.db import connections
 
 from runners.agent import Agent, RolloutInfo, call_agent, load_agent
 from runners.agl_compat import call_agl_agent, is_agl_agent
-from runners.gateway import Claim, StoreGateway
+from runners.gateway import STOP_CANCELLED, STOP_ENDED, Claim, StoreGateway
 from runners.llm import route_llm_resources
 from runners.stopping import HeldSlots, Stopper, may_exit_process
 from runners.tracing import AGL_ROLLOUT, attempt_tracing, emit_reward, tracer
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 SUCCEEDED = "succeeded"
 FAILED = "failed"
 CANCELLED = "cancelled"
+ENDED = "ended"  # the store ended the attempt (the watchdog's timeout): nothing reported
 MAX_ERROR_CHARS = 8000
 
 
@@ -51,7 +53,7 @@ class ExecutorOptions:
 
 @dataclass(frozen=True)
 class Outcome:
-    status: str  # succeeded, failed or cancelled
+    status: str  # succeeded, failed, cancelled or ended
     reward: float | None = None
     error: str | None = None
     spans: int = 0
@@ -98,6 +100,11 @@ def _execute(gateway: StoreGateway, claim: Claim, agent: Agent | str, worker_id:
         finally:
             watcher.stop()
         _ship_rest(gateway, spans)
+    if outcome.status == CANCELLED and guard.ended:
+        # Stopped because the store had ended the attempt (timed out): the store's verdict
+        # and its error stand; a report now would turn "timeout" into "failed".
+        return Outcome(ENDED, error="the store ended the attempt while it ran",
+                       spans=spans.count)
     outcome = Outcome(outcome.status, outcome.reward, outcome.error, spans.count)
     gateway.finish(
         rollout_id=claim.rollout_id, attempt_id=claim.attempt_id,
@@ -163,6 +170,7 @@ class _CancelGuard:
         self.info = info
         self.thread_id = threading.get_ident()
         self.stop_requested = False
+        self.ended = False  # the stop came because the store ended the attempt
         self._lock = threading.Lock()
         self._running = False
         self._injected = False
@@ -183,7 +191,8 @@ class _CancelGuard:
     def running(self) -> bool:
         return self._running
 
-    def cancel(self) -> None:
+    def cancel(self, *, ended: bool = False) -> None:
+        self.ended = self.ended or ended
         self.info.cancelled.set()
         with self._lock:
             self.stop_requested = True
@@ -239,7 +248,8 @@ class _Watcher(threading.Thread):
         batch = self.spans.take()
         if batch:
             try:
-                stop = self.claim.rollout_id in self.gateway.add_spans(spans=batch)
+                cancelled = self.claim.rollout_id in self.gateway.add_spans(spans=batch)
+                stop = STOP_CANCELLED if cancelled else None
             except Exception:
                 self.spans.put_back(batch)
                 raise
@@ -248,6 +258,6 @@ class _Watcher(threading.Thread):
                                           attempt_id=self.claim.attempt_id,
                                           worker_id=self.worker_id)
         if stop:
-            self.guard.cancel()
+            self.guard.cancel(ended=stop == STOP_ENDED)
             if self.stopper is not None:
                 self.stopper.ended()

@@ -17,6 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+# Why a heartbeat tells the runner to stop (StoreGateway.heartbeat).
+STOP_CANCELLED = "cancelled"
+STOP_ENDED = "ended"
+
 
 @dataclass(frozen=True)
 class Claim:
@@ -49,9 +53,11 @@ class StoreGateway(Protocol):
         """Store spans (AGL span dicts; they count as heartbeats). Returns the ids of the
         rollouts among them that were cancelled, so the runner can stop."""
 
-    def heartbeat(self, *, rollout_id: str, attempt_id: str, worker_id: str) -> bool:
-        """Mark the attempt alive (and running); True when the runner must stop: its rollout
-        was cancelled, or the store already ended the attempt (e.g. timed out)."""
+    def heartbeat(self, *, rollout_id: str, attempt_id: str, worker_id: str) -> str | None:
+        """Mark the attempt alive (and running). None to go on; else why the runner must
+        stop: STOP_CANCELLED (its rollout was cancelled: the runner still ends the attempt)
+        or STOP_ENDED (the store already ended the attempt, e.g. timed out: its verdict
+        stands, the runner reports nothing)."""
 
     def llm_api_key(self, *, rollout_id: str, attempt_id: str) -> str | None:
         """The key an agent's LLM calls through the model gateway use (runners/llm.py)."""

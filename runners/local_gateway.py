@@ -10,7 +10,7 @@ from typing import Any
 from django.utils import timezone
 
 from lightning_site.retry import DEFAULT, RetryPolicy
-from runners.gateway import Claim
+from runners.gateway import STOP_CANCELLED, STOP_ENDED, Claim
 from store import selectors, services
 from store.errors import IllegalTransition
 from store.models import Attempt, Project, Rollout
@@ -75,7 +75,7 @@ class LocalGateway:
         )
         return ingested.cancelled
 
-    def heartbeat(self, *, rollout_id: str, attempt_id: str, worker_id: str) -> bool:
+    def heartbeat(self, *, rollout_id: str, attempt_id: str, worker_id: str) -> str | None:
         try:
             attempt = services.attempt_update(
                 project=self.project, rollout_id=rollout_id, attempt_id=attempt_id,
@@ -83,9 +83,9 @@ class LocalGateway:
             )
         except IllegalTransition as exc:
             log.info("attempt %s/%s ended elsewhere: %s", rollout_id, attempt_id, exc)
-            return True
+            return STOP_ENDED
         # The rollout as the update's transaction locked it: no second query.
-        return attempt.rollout.status == RolloutStatus.CANCELLED
+        return STOP_CANCELLED if attempt.rollout.status == RolloutStatus.CANCELLED else None
 
     def llm_api_key(self, *, rollout_id: str, attempt_id: str) -> str:
         # No project key here: a token good for this attempt's own calls only.

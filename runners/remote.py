@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from runners.client import ApiError, StoreClient
-from runners.gateway import Claim
+from runners.gateway import STOP_CANCELLED, STOP_ENDED, Claim
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class HttpGateway:
     def llm_api_key(self, *, rollout_id: str, attempt_id: str) -> str:
         return self.client.key  # the runner's project key
 
-    def heartbeat(self, *, rollout_id: str, attempt_id: str, worker_id: str) -> bool:
+    def heartbeat(self, *, rollout_id: str, attempt_id: str, worker_id: str) -> str | None:
         try:
             _, cancelled = self.client.update_attempt(
                 rollout_id, attempt_id, status="running", last_heartbeat_time=time.time()
@@ -63,8 +63,8 @@ class HttpGateway:
             if exc.status != CONFLICT:
                 raise
             log.info("attempt %s/%s ended elsewhere: %s", rollout_id, attempt_id, exc.detail)
-            return True
-        return cancelled
+            return STOP_ENDED
+        return STOP_CANCELLED if cancelled else None
 
     def finish(
         self, *, rollout_id: str, attempt_id: str, status: str, error: str | None = None

@@ -21,7 +21,7 @@ from lightning_site.publish import Message, publish
 from lightning_site.queues import Queue
 from runners import stopping
 from runners.agent import AgentError, load_agent
-from runners.executor import FAILED, ExecutorOptions, Outcome, execute
+from runners.executor import ENDED, FAILED, ExecutorOptions, Outcome, execute
 from runners.held_slots import HeldSlotRecorder, held_slots_forget
 from runners.local_gateway import LocalGateway
 from runners.models import CeleryWorker
@@ -88,6 +88,12 @@ def rollout_run(*, project_id: int, rollout_id: str, worker_id: str) -> str:
                                worker_id=worker_id, options=options)
     if outcome.status == FAILED:
         raise RolloutFailed(f"{claim.rollout_id}/{claim.attempt_id}: {_last_line(outcome.error)}")
+    if outcome.status == ENDED:  # the watchdog's verdict (timeout): the task failed too
+        ended = Attempt.objects.filter(rollout_id=claim.rollout_id,
+                                       attempt_id=claim.attempt_id).first()
+        error = (ended.metadata or {}).get("error") if ended else None
+        raise RolloutFailed(f"{claim.rollout_id}/{claim.attempt_id}: "
+                            f"{error or outcome.error} ({ended.status if ended else 'gone'})")
     return outcome.status
 
 

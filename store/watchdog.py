@@ -142,10 +142,13 @@ def _sweep_attempts(now: datetime, batch_size: int, result: SweepResult,
         lost, changed, finished = [], {}, []
         for attempt in attempts:
             rollout = rollouts[attempt.rollout_id]
-            verdict = _verdict(attempt, RolloutConfig.parse(rollout.config), now)
+            config = RolloutConfig.parse(rollout.config)
+            verdict = _verdict(attempt, config, now)
             if verdict is None:
                 continue
             set_attempt_status(attempt, verdict, now)
+            attempt.metadata = {**(attempt.metadata or {}),
+                                "error": verdict_error(attempt, verdict, config, now)}
             lost.append(attempt)
             key = f"{attempt.rollout_id}/{attempt.attempt_id}"
             timed_out = verdict == AttemptStatus.TIMEOUT
@@ -188,6 +191,23 @@ def _verdict(attempt: Attempt, config: RolloutConfig, now: datetime) -> str | No
     attempt.deadline = attempt_deadline(config, attempt.start_time,
                                         None if never_reported else attempt.start_time)
     return None
+
+
+def verdict_error(attempt: Attempt, verdict: str, config: RolloutConfig, now: datetime) -> str:
+    """The error a watchdog verdict records on its attempt (what a job's error and the
+    rollout task's failure quote)."""
+    if verdict == AttemptStatus.TIMEOUT:
+        age = (now - attempt.start_time).total_seconds()
+        return (f"timeout: the attempt ran {age:.1f} s, past its timeout_seconds="
+                f"{config.timeout_seconds:g} (ended by the watchdog)")
+    if not config.unresponsive_seconds:  # the claim's window (STORE_FIRST_REPORT_SECONDS)
+        return (f"unresponsive: no report in the {first_report_seconds():g} s since it was "
+                "claimed (STORE_FIRST_REPORT_SECONDS; ended by the watchdog)")
+    # By our clock: the deadline is the last report's arrival plus the limit.
+    late = (now - attempt.deadline).total_seconds() if attempt.deadline else 0.0
+    silent = config.unresponsive_seconds + max(late, 0.0)
+    return (f"unresponsive: no heartbeat for {silent:.1f} s, past its unresponsive_seconds="
+            f"{config.unresponsive_seconds:g} (ended by the watchdog)")
 
 
 def _expire_queue_waits(now: datetime, batch_size: int, result: SweepResult,

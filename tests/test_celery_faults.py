@@ -107,3 +107,30 @@ def test_the_soft_time_limit_fails_the_attempt_with_the_reason(project, broker_u
     attempt = Attempt.objects.get(rollout=rollout)
     assert attempt.status == "failed"
     assert "SoftTimeLimitExceeded" in attempt.metadata["error"]
+
+
+def test_a_timed_out_attempt_ends_timeout_and_its_task_fails(project, client, settings,
+                                                             rabbitmq_url, sending_to,
+                                                             celery_workers):
+    """Issue 26 finding 3: the worker stopped the agent and then reported the attempt
+    `failed` ("cancelled: the rollout was cancelled while running") over the watchdog's
+    `timeout`; the task returned normally (SUCCESS in Flower); no timeout in /metrics."""
+    worker = celery_workers(queues=["rollouts"], broker_url=rabbitmq_url, concurrency=1,
+                            env=FAST)
+    rollout = runner_services.rollouts_enqueue_for_celery(
+        project=project, agent="tests.celery_agents:looping_agent",
+        specs=[RolloutSpec(input={"seconds": 60}, config={"timeout_seconds": 2})],
+    )[0]
+    rollout = sweep_until(rollout, {"failed", "succeeded"})
+    wait_until(lambda: "RolloutFailed" in worker.log(), timeout=60,
+               message="the rollout task did not fail")
+    attempt = Attempt.objects.get(rollout=rollout)
+    assert (rollout.status, attempt.status) == ("failed", "timeout")
+    assert attempt.metadata["error"].startswith("timeout: the attempt ran ")
+    assert "past its timeout_seconds=2 (ended by the watchdog)" in attempt.metadata["error"]
+    assert "store.watchdog_verdict" not in attempt.metadata  # no runner report came after
+    failure = next(line for line in worker.log().splitlines() if "RolloutFailed" in line)
+    assert "timeout: the attempt ran" in failure and "(timeout)" in failure
+    settings.METRICS_TOKEN = "t"
+    scrape = client.get("/metrics", headers={"Authorization": "Bearer t"}).text
+    assert 'lightning_attempts{status="timeout"} 1.0' in scrape

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sqlite3
@@ -13,12 +14,13 @@ from pathlib import Path
 
 import pytest
 from django.core.management import call_command
+from django.core.management.base import CommandError
 
 from examples.cipher import job_spec
 from store import services as store_services
 from tests.celery_fixtures import wait_until
 from trainer import services
-from trainer.models import JobStatus
+from trainer.models import JobStatus, TrainingJob
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -113,3 +115,122 @@ def test_ctrl_c_on_embedded_train_pauses_the_job_and_says_how_to_go_on(tmp_path)
         assert db.execute("SELECT status FROM trainer_trainingjob").fetchall() == [("paused",)]
         workers = db.execute("SELECT status FROM runners_celeryworker").fetchall()
     assert workers and set(workers) == {("stopped",)}
+
+
+@pytest.mark.slow
+def test_embedded_baseline_whose_rollouts_all_fail_exits_non_zero_with_the_first_error(tmp_path):
+    """Issue 26 finding 2: an evaluation-only job whose rollouts all failed ended `succeeded`,
+    rc 0."""
+    env = embedded_env(tmp_path)
+    subprocess.run(manage("migrate", "-v0"), env=env, cwd=ROOT, check=True, timeout=300)
+    run = subprocess.run(manage("train", "tests.trainer_specs.broken_baseline_spec", "--quiet",
+                                "--set", "max_step_attempts=1"),
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "job 1: failed" in run.stdout
+    assert "4 of 4 validation rollouts failed" in run.stdout
+    assert "the broken agent fails every rollout" in run.stdout
+    assert "job 1 failed" in run.stderr
+
+
+def _spec(**changes) -> dict:
+    spec = job_spec(steps=1)
+    spec["val_dataset"] = spec["val_dataset"][:2]
+    spec["config"] = {**spec["config"], **changes.pop("config", {})}
+    spec.update(changes)
+    return {k: v for k, v in spec.items() if v is not None}
+
+
+def _without(spec: dict, *path: str) -> dict:
+    if len(path) == 1:
+        spec.pop(path[0])
+    else:
+        spec[path[0]].pop(path[1])
+    return spec
+
+
+BAD_SPECS = {
+    "no_agent": (_without(_spec(), "agent"), "spec.json: the spec has no 'agent'"),
+    "no_algorithm": (_without(_spec(), "algorithm"), "spec.json: the spec has no 'algorithm'"),
+    "no_config": (_without(_spec(), "config"), "spec.json: the spec has no 'config'"),
+    "no_policy": (_without(_spec(), "config", "policy"), "config.policy: missing"),
+    "baseline_no_policy": (_without(_spec(algorithm="baseline"), "config", "policy"),
+                           "config.policy: missing"),
+    "policy_not_importable": (_spec(config={"policy": "nowhere.policy"}),
+                              "config.policy: 'nowhere.policy' does not import"),
+    "agent_not_a_string": (_spec(agent=3), "spec.json: 'agent' must be the agent's dotted path"),
+    "dataset_not_a_list": (_spec(train_dataset="tasks.jsonl"),
+                           "'train_dataset' must be a list of tasks, got str"),
+    "config_not_an_object": (_spec() | {"config": [1]},
+                             "'config' must be an object of the algorithm's settings, got list"),
+    "not_an_object": ([1, 2], "spec.json: a job spec must be an object (a dict), got list"),
+}
+
+
+@pytest.fixture
+def no_sends(monkeypatch, settings, tmp_path):
+    settings.STORAGES = {**settings.STORAGES, "checkpoints": {
+        "BACKEND": "django.core.files.storage.FileSystemStorage",
+        "OPTIONS": {"location": str(tmp_path / "checkpoints")}}}
+    monkeypatch.setattr(services.delivery, "send_rollouts", lambda *_: None)
+    monkeypatch.setattr(services.delivery, "send_train_step", lambda *_: None)
+
+
+def train_error(*args: str) -> str:
+    with pytest.raises(CommandError) as raised:
+        call_command("train", *args, "--no-follow", stdout=StringIO(), stderr=StringIO())
+    message = str(raised.value)
+    assert "\n" not in message and "Traceback" not in message
+    return message
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("case", sorted(BAD_SPECS))
+def test_a_bad_job_spec_is_one_line_and_creates_nothing(case, tmp_path, monkeypatch, no_sends):
+    """Issue 26 finding 4: a missing `agent` or `policy` was a raw KeyError traceback, and one
+    case (baseline without a policy) left a job `pending` forever."""
+    spec, expected = BAD_SPECS[case]
+    monkeypatch.chdir(tmp_path)
+    Path("spec.json").write_text(json.dumps(spec, indent=1))
+    assert expected in train_error("spec.json")
+    assert not TrainingJob.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_spec_files_are_accepted_and_their_mistakes_named(tmp_path, monkeypatch, no_sends):
+    monkeypatch.chdir(tmp_path)
+    Path("spec.json").write_text(json.dumps(_spec()))
+    out = StringIO()
+    call_command("train", "spec.json", "--no-follow", "--steps", "2", stdout=out)
+    job = TrainingJob.objects.get()
+    assert (job.status, job.config["steps"], job.name) == (JobStatus.RUNNING, 2, "cipher")
+    Path("myjob.py").write_text("from examples.cipher import job_spec\n")
+    call_command("train", "myjob.py", "--no-follow", "--steps", "1", stdout=out)
+    assert TrainingJob.objects.count() == 2
+    Path("broken.json").write_text('{"agent": "a.b",\n "algorithm": grpo}\n')
+    assert train_error("broken.json") == "broken.json:2: not JSON: Expecting value"
+    assert "missing.json: cannot read the spec" in train_error("missing.json")
+    Path("empty.py").write_text("x = 1\n")
+    assert train_error("empty.py") == "empty.py: the file defines no job_spec() function"
+    assert "names no job spec" in train_error("examples.nothing_here")
+    Path("needs_more.py").write_text("import not_installed_pkg\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert train_error("needs_more") == (
+        "needs_more: importing it failed: No module named 'not_installed_pkg'")
+    assert train_error("needs_more.py") == (
+        "needs_more.py: loading it failed: ModuleNotFoundError(\"No module named "
+        "'not_installed_pkg'\")")
+    assert "expected KEY=JSON" in train_error("examples.cipher", "--set", "lr")
+    assert TrainingJob.objects.count() == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_job_that_cannot_write_its_first_checkpoint_fails_instead_of_staying_pending(
+    tmp_path, monkeypatch, no_sends
+):
+    monkeypatch.chdir(tmp_path)
+    Path("spec.json").write_text(json.dumps(_spec(
+        algorithm="baseline", config={"policy": "tests.trainer_specs.exploding_policy"})))
+    assert "could not start: RuntimeError('no policy today')" in train_error("spec.json")
+    job = TrainingJob.objects.get()
+    assert job.status == JobStatus.FAILED and "no policy today" in job.error

@@ -413,3 +413,19 @@ def test_a_failing_retention_does_not_make_a_finished_step_lost(monkeypatch):
     step_id = sent.train_steps.pop()
     assert services.step_train(step_id=step_id, worker="w") == "done"
     assert TrainingStep.objects.get(pk=step_id).status == StepStatus.DONE
+
+
+def test_an_evaluation_only_step_whose_rollouts_all_failed_fails_its_job(monkeypatch):
+    """Issue 26 finding 2: `max_failed_rollout_share` counted train rollouts only, so a
+    baseline job whose 40 of 40 rollouts failed "succeeded"."""
+    sent = capture_sends(monkeypatch)
+    job = services.job_start(job_id=make_job(steps=1, algorithm="baseline",
+                                             max_step_attempts=2).pk)
+    for _ in range(2):
+        run_rollouts(job, fail=True)
+        result = services.step_train(step_id=sent.train_steps.pop(), worker="w")
+    assert result == "failed"
+    job.refresh_from_db()
+    assert job.status == JobStatus.FAILED
+    assert "4 of 4 validation rollouts failed" in job.error
+    assert "could not read its checkpoint" in job.error

@@ -202,6 +202,8 @@ def test_a_claim_never_reported_on_goes_unresponsive_after_the_first_report_wind
     rollout.refresh_from_db()
     other.refresh_from_db()
     assert rollout.status == "failed" and other.status == "running"
+    attempt.refresh_from_db()
+    assert attempt.metadata["error"].startswith("unresponsive: no report in the 300 s since")
 
 
 def test_the_first_report_window_can_be_turned_off(project, settings):
@@ -210,3 +212,35 @@ def test_the_first_report_window_can_be_turned_off(project, settings):
     _, attempt = claim(project)
     attempt.refresh_from_db()
     assert attempt.deadline is None
+
+
+def test_a_verdict_records_its_error_and_the_jobs_first_error_quotes_it(project):
+    """Issue 26 finding 3: a timed-out attempt had no error of its own."""
+    from store import selectors
+
+    enqueue(project, 1, config={"timeout_seconds": 30})
+    rollout, attempt = claim(project)
+    backdate(attempt, 31)
+    watchdog.sweep()
+    attempt.refresh_from_db()
+    assert attempt.metadata["error"].startswith("timeout: the attempt ran 3")
+    assert attempt.metadata["error"].endswith("past its timeout_seconds=30 (ended by the watchdog)")
+    assert selectors.rollouts_first_error(rollout_ids=[rollout.pk]) == (
+        f"rollout {rollout.pk}: {attempt.metadata['error']}")
+
+
+def test_a_revived_unresponsive_attempt_drops_the_watchdogs_error_and_keeps_its_verdict(project):
+    enqueue(project, 1, config={"unresponsive_seconds": 10, "max_attempts": 2,
+                                "retry_condition": RETRY_ALL})
+    rollout, attempt = claim(project)
+    backdate(attempt, 11)
+    watchdog.sweep()
+    attempt.refresh_from_db()
+    assert attempt.status == "unresponsive"
+    assert attempt.metadata["error"].startswith("unresponsive: no heartbeat for 1")
+    assert "past its unresponsive_seconds=10 (ended by the watchdog)" in attempt.metadata["error"]
+    revived = services.attempt_update(project=project, rollout_id=rollout.pk,
+                                      attempt_id=attempt.attempt_id, status="running",
+                                      last_heartbeat_time=timezone.now())
+    assert revived.status == "running"
+    assert revived.metadata == {"store.watchdog_verdict": "unresponsive"}

@@ -52,9 +52,9 @@ JOB_DEFAULTS: dict[str, Any] = {
     "seed": 0,
     # tries of one train step (a worker killed mid-step counts) before the job fails
     "max_step_attempts": 3,
-    # a step whose share of failed train rollouts is above this is a failed try: its
-    # rollouts run again (a new round) while tries are left, then the job fails with the
-    # first rollout's error, instead of "succeeding" on nothing
+    # a step whose share of failed train rollouts, or of failed validation rollouts, is above
+    # this is a failed try: its rollouts run again (a new round) while tries are left, then
+    # the job fails with the first rollout's error, instead of "succeeding" on nothing
     "max_failed_rollout_share": 0.5,
     # a claimed step is its worker's until then; longer than the slowest train step
     "step_lease_seconds": 120,
@@ -94,12 +94,18 @@ def job_create(
     if not isinstance(merged["steps"], int) or merged["steps"] < 1:
         raise InvalidInput("config.steps", "must be an integer >= 1")
     RolloutConfig.parse(merged["rollout_config"])
+    if not isinstance(agent, str) or "." not in agent:
+        raise InvalidInput("agent", "must be a dotted path, e.g. 'myagents.math:agent'")
+    for field_name, dataset in (("train_dataset", train_dataset), ("val_dataset", val_dataset)):
+        if dataset is not None and not isinstance(dataset, list | tuple):
+            raise InvalidInput(field_name, f"must be a list of tasks, got "
+                               f"{type(dataset).__name__}")
     try:
         algorithm_load(algorithm, merged)
+    except InvalidInput:
+        raise
     except (ImportError, ValueError, KeyError) as exc:
         raise InvalidInput("algorithm", str(exc)) from None
-    if not agent or "." not in agent:
-        raise InvalidInput("agent", "must be a dotted path")
     return TrainingJob.objects.create(
         project=project, name=name, agent=agent, algorithm=algorithm, config=merged,
         train_dataset=list(train_dataset), val_dataset=list(val_dataset or []),
@@ -112,11 +118,19 @@ def job_start(*, job_id: int) -> TrainingJob:
     job = TrainingJob.objects.get(pk=job_id)
     if job.status != JobStatus.PENDING:
         return job
-    algorithm = algorithm_load(job.algorithm, job_config(job))
-    # The file is written before the transaction (no file work inside one); a start that
-    # loses the race below leaves a content-addressed file the winner also wrote.
-    resource = algorithm.save(algorithm.init_state(), name_prefix=f"jobs/{job.pk}", step=0)
-    published = algorithm.published_resources(resource, job_id=job.pk)
+    try:
+        algorithm = algorithm_load(job.algorithm, job_config(job))
+        # The file is written before the transaction (no file work inside one); a start that
+        # loses the race below leaves a content-addressed file the winner also wrote.
+        resource = algorithm.save(algorithm.init_state(), name_prefix=f"jobs/{job.pk}", step=0)
+        published = algorithm.published_resources(resource, job_id=job.pk)
+    except Exception as exc:
+        # A job that cannot write its checkpoint 0 fails now: left pending, nothing would
+        # ever start it (a policy factory that raises, a model directory that is not one).
+        error = f"job {job.pk} could not start: {exc!r}"
+        TrainingJob.objects.filter(pk=job.pk, status=JobStatus.PENDING).update(
+            status=JobStatus.FAILED, error=error, finished_at=_now())
+        raise JobError(error) from exc
     now = _now()
     with transaction.atomic():
         if not TrainingJob.objects.filter(pk=job.pk, status=JobStatus.PENDING).update(
@@ -312,18 +326,22 @@ def step_train(*, step_id: int, worker: str | None = None,
 
 
 def _rollouts_failure(step: TrainingStep) -> str | None:
-    """Why the step's train rollouts are no basis for a step: more than the job's
-    `max_failed_rollout_share` of them failed (a broken agent, an unreadable checkpoint).
-    None when they are."""
+    """Why the step's rollouts are no basis for a step: more than the job's
+    `max_failed_rollout_share` of its train rollouts, or of its validation rollouts (an
+    evaluation-only job has nothing else), failed (a broken agent, an unreadable
+    checkpoint). None when they are."""
     share = job_config(step.job)["max_failed_rollout_share"]
-    train = selectors.step_rollouts(step=step).filter(mode="train")
-    failed = list(train.filter(status=RolloutStatus.FAILED).values_list("pk", flat=True))
-    total = step.rollout_count
-    if not total or len(failed) <= share * total:
-        return None
-    first = store_selectors.rollouts_first_error(rollout_ids=failed)
-    return (f"{len(failed)} of {total} train rollouts failed (more than "
-            f"max_failed_rollout_share={share}); the first: {first}")
+    rollouts = selectors.step_rollouts(step=step)
+    for kind, of_kind, total in (
+        ("train", rollouts.filter(mode="train"), step.rollout_count),
+        ("validation", rollouts.exclude(mode="train"), step.val_rollout_count),
+    ):
+        failed = list(of_kind.filter(status=RolloutStatus.FAILED).values_list("pk", flat=True))
+        if total and len(failed) > share * total:
+            first = store_selectors.rollouts_first_error(rollout_ids=failed)
+            return (f"{len(failed)} of {total} {kind} rollouts failed (more than "
+                    f"max_failed_rollout_share={share}); the first: {first}")
+    return None
 
 
 def _train(step: TrainingStep) -> TrainResult:

@@ -69,8 +69,12 @@ def set_attempt_status(attempt: Attempt, status: str, now: datetime) -> None:
     if status in ATTEMPT_ENDED:
         attempt.end_time = now
     if previous in ATTEMPT_LOST and status not in ATTEMPT_LOST:
-        # A runner reported after the watchdog gave up on it: keep the watchdog's verdict too.
-        attempt.metadata = {**(attempt.metadata or {}), "store.watchdog_verdict": previous}
+        # A runner reported after the watchdog gave up on it: keep the watchdog's verdict too;
+        # the watchdog's error goes unless the attempt failed (a failure's own error replaces it).
+        metadata = {**(attempt.metadata or {}), "store.watchdog_verdict": previous}
+        if status != AttemptStatus.FAILED:
+            metadata.pop("error", None)
+        attempt.metadata = metadata
 
 
 def follow_latest_attempt(rollout: Rollout, attempt: Attempt, now: datetime) -> bool:

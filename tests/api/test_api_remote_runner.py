@@ -101,14 +101,14 @@ def test_http_gateway_reports_like_the_local_one(client, api_server, keys):
         claim = gateway.claim_rollout(rollout_id=rid, worker_id="w")
         assert claim is not None and gateway.claim_rollout(rollout_id=rid, worker_id="w") is None
         assert gateway.heartbeat(rollout_id=rid, attempt_id=claim.attempt_id,
-                                 worker_id="w") is False
+                                 worker_id="w") is None
         assert client.get_rollout(rid)["status"] == "running"
         gateway.finish(rollout_id=rid, attempt_id=claim.attempt_id, status="failed",
                        error="boom")
         attempt = runner_client.get_attempt(rid, claim.attempt_id)
         assert attempt["status"] == "failed" and attempt["metadata"]["error"] == "boom"
         assert gateway.heartbeat(rollout_id=rid, attempt_id=claim.attempt_id,
-                                 worker_id="w") is True  # ended: the runner must stop
+                                 worker_id="w") == "ended"  # the runner must stop
 
 
 def test_remote_runner_completes_rollouts_with_spans_and_rewards(

@@ -91,7 +91,7 @@ def test_finish_and_its_repeat(gateway, keys):
     assert claim is not None and claim.sequence_id == 1
     assert gateway.claim_rollout(rollout_id=rollout.pk, worker_id="w2") is None
     assert gateway.heartbeat(rollout_id=rollout.pk, attempt_id=claim.attempt_id,
-                             worker_id="w1") is False
+                             worker_id="w1") is None
     gateway.finish(rollout_id=rollout.pk, attempt_id=claim.attempt_id, status="succeeded")
     gateway.finish(rollout_id=rollout.pk, attempt_id=claim.attempt_id, status="succeeded")
     gateway.finish(rollout_id=rollout.pk, attempt_id=claim.attempt_id, status="failed",
@@ -100,7 +100,7 @@ def test_finish_and_its_repeat(gateway, keys):
     assert stored.status == "succeeded" and [a.status for a in attempts] == ["succeeded"]
     assert "error" not in attempts[0].metadata
     assert gateway.heartbeat(rollout_id=rollout.pk, attempt_id=claim.attempt_id,
-                             worker_id="w1") is True  # ended: the runner must stop
+                             worker_id="w1") == "ended"  # the runner must stop
 
 
 def test_a_late_failure_after_the_watchdogs_verdict_keeps_both(gateway, keys):

@@ -10,11 +10,15 @@ import torch
 
 from trainer.algorithms.adapter import Sample
 from trainer.algorithms.base import Algorithm, PlannedRollout, Update
-from trainer.algorithms.grpo import build_policy, plan_validation
+from trainer.algorithms.grpo import build_policy, plan_validation, policy_check
 
 
 class Baseline(Algorithm):
     trains = False
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__(config)
+        policy_check(self.config)
 
     def init_state(self) -> dict[str, Any]:
         torch.manual_seed(self.seed)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from django.utils.module_loading import import_string
 
+from store.errors import InvalidInput
 from trainer.algorithms.adapter import Sample
 from trainer.algorithms.base import Algorithm, PlannedRollout, Update, step_seed
 
@@ -35,6 +36,22 @@ DEFAULTS: dict[str, Any] = {
 def build_policy(config: dict[str, Any]) -> torch.nn.Module:
     """The policy network named by the job's config (`policy`: dotted path of a factory)."""
     return import_string(config["policy"])(**config.get("policy_kwargs", {}))
+
+
+def policy_check(config: dict[str, Any]) -> None:
+    """InvalidInput naming `config.policy` when it does not name an importable factory (so
+    a job is refused when it is created, not when its first checkpoint is written)."""
+    path = config.get("policy")
+    if not path or not isinstance(path, str):
+        raise InvalidInput("config.policy", "missing: the dotted path of a policy factory (a "
+                           "function returning a torch module), e.g. 'examples.cipher.task."
+                           "build_policy'")
+    try:
+        factory = import_string(path)
+    except ImportError as exc:
+        raise InvalidInput("config.policy", f"{path!r} does not import: {exc}") from None
+    if not callable(factory):
+        raise InvalidInput("config.policy", f"{path!r} is not callable")
 
 
 def plan_validation(val_dataset: Sequence[Any], seed: int, step: int) -> list[PlannedRollout]:
@@ -88,8 +105,7 @@ def group_advantages(samples: Sequence[Sample]) -> dict[str, float]:
 class GRPO(Algorithm):
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__({**DEFAULTS, **config})
-        if not self.config.get("policy"):
-            raise ValueError("GRPO needs config['policy']: the dotted path of a policy factory")
+        policy_check(self.config)
 
     def init_state(self) -> dict[str, Any]:
         torch.manual_seed(self.seed)

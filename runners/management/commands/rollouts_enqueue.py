@@ -1,5 +1,6 @@
 import json
 from contextlib import nullcontext
+from pathlib import Path
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
@@ -7,8 +8,10 @@ from django.core.management.base import BaseCommand, CommandError
 from lightning_site.console import progress_stream, quiet_libraries
 from lightning_site.embedded import embedded_workers
 from runners import selectors, services
+from runners.llm import PROXY_LLM
 from runners.management.commands._progress import follow, project_named, reward_line
 from store import selectors as store_selectors
+from store import services as store_services
 from store.errors import StoreError
 from store.services import RolloutSpec
 from store.statemachine import ROLLOUT_TERMINAL
@@ -26,6 +29,14 @@ class Command(BaseCommand):
         parser.add_argument("--input", default=None,
                             help="JSON input for every rollout (default {'index': i})")
         parser.add_argument("--inputs-file", default=None, help="JSON lines, one input each")
+        parser.add_argument("--resource", action="append", default=[],
+                            metavar="NAME=JSON|NAME=@FILE",
+                            help="a resource every rollout pins, repeatable: NAME=JSON or "
+                            "NAME=@file.json (a proxy_llm resource is routed to each attempt "
+                            "and given its api_key)")
+        parser.add_argument("--llm", metavar="MODEL", default=None,
+                            help="shorthand for an `llm` resource: MODEL served by the model "
+                            "gateway at LLM_GATEWAY_URL, routed to each attempt with a key")
         parser.add_argument("--mode", choices=["train", "val", "test"], default=None,
                             help="AGL's rollout mode (default none)")
         parser.add_argument("--max-attempts", type=int, default=1,
@@ -42,13 +53,22 @@ class Command(BaseCommand):
 
     def handle(self, *args, **opts):
         quiet_libraries(opts["verbosity"])
+        inputs = self._inputs(opts)  # checked before anything is created
+        resources = _resources(opts["resource"], opts["llm"])
         project = project_named(opts["project"], create=opts["create_project"])
+        resources_id = None
+        if resources:
+            try:
+                version = store_services.resources_add(project=project, resources=resources)
+            except StoreError as exc:
+                raise CommandError(str(exc)) from None
+            resources_id = version.resource_set.resources_id
         specs = [
-            RolloutSpec(input=value, mode=opts["mode"], config={
+            RolloutSpec(input=value, mode=opts["mode"], resources_id=resources_id, config={
                 "max_attempts": opts["max_attempts"], "retry_condition": opts["retry_on"],
                 "timeout_seconds": opts["timeout_seconds"],
             })
-            for value in self._inputs(opts)
+            for value in inputs
         ]
         embedded = settings.EMBEDDED_WORKERS
         with embedded_workers() if embedded else nullcontext():
@@ -70,8 +90,7 @@ class Command(BaseCommand):
 
     def _inputs(self, opts) -> list:
         if opts["inputs_file"]:
-            with open(opts["inputs_file"]) as lines:
-                return [json.loads(line) for line in lines if line.strip()]
+            return _read_inputs(opts["inputs_file"])
         if opts["count"] < 1:
             raise CommandError("--count must be >= 1")
         if opts["input"] is not None:
@@ -81,6 +100,59 @@ class Command(BaseCommand):
                 raise CommandError(f"--input is not JSON: {exc}") from None
             return [value] * opts["count"]
         return [{"index": i} for i in range(opts["count"])]
+
+
+def _resources(items: list[str], llm_model: str | None) -> dict:
+    """The resources named on the command line: `NAME=JSON` or `NAME=@file.json` (each an
+    object), and `--llm MODEL` as a proxy_llm resource on the model gateway."""
+    resources = {}
+    for item in items:
+        name, sep, raw = item.partition("=")
+        if not name or not sep:
+            raise CommandError(f"--resource {item!r}: expected NAME=JSON or NAME=@FILE")
+        where = f"--resource {name}"
+        if raw.startswith("@"):
+            where = f"--resource {name}: {raw[1:]}"
+            try:
+                raw = Path(raw[1:]).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise CommandError(f"{where}: {getattr(exc, 'strerror', None) or exc}") from None
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise CommandError(f"{where}: not JSON ({exc.msg}, line {exc.lineno} column "
+                               f"{exc.colno})") from None
+        if not isinstance(value, dict):
+            raise CommandError(f"{where}: a resource must be a JSON object, got "
+                               f"{type(value).__name__}")
+        resources[name] = value
+    if llm_model:
+        resources["llm"] = {"resource_type": PROXY_LLM, "endpoint": settings.LLM_GATEWAY_URL,
+                            "model": llm_model}
+    return resources
+
+
+def _read_inputs(path: str) -> list:
+    """The inputs of a JSON-lines file; a file that cannot be read, or a line that is not
+    JSON, is one line naming the file (and the line)."""
+    inputs = []
+    try:
+        with open(path, encoding="utf-8") as lines:
+            for number, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                try:
+                    inputs.append(json.loads(line.rstrip("\r\n")))
+                except json.JSONDecodeError as exc:
+                    raise CommandError(f"--inputs-file {path}:{number}: not JSON ({exc.msg}, "
+                                       f"column {exc.colno}); one JSON input per line") from None
+    except OSError as exc:
+        raise CommandError(f"--inputs-file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise CommandError(f"--inputs-file {path}: not UTF-8 text") from None
+    if not inputs:
+        raise CommandError(f"--inputs-file {path}: no inputs (one JSON input per line)")
+    return inputs
 
 
 def _fail_loudly(by_status: dict[str, int], rollout_ids: list[str]) -> None:

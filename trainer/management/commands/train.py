@@ -1,24 +1,24 @@
 """`manage.py train TARGET`: create a training job and run it.
 
-TARGET names a job spec: a module with a `job_spec(seed=..., steps=...)` function (e.g.
-`examples.cipher`), or the dotted path of such a function. On the embedded default (no
-DATABASE_URL, no CELERY_BROKER_URL) the rollout and training workers and the sweep run in this
-process; otherwise the job is submitted to the deployment's workers and followed.
+TARGET names a job spec (trainer/specs.py): a module with a `job_spec(seed=..., steps=...)`
+function (e.g. `examples.cipher`), the dotted path of such a function, a Python file defining
+it, or a JSON file holding the spec; it is checked before the job is created. On the embedded
+default (no DATABASE_URL, no CELERY_BROKER_URL) the rollout and training workers and the sweep
+run in this process; otherwise the job is submitted to the deployment's workers and
+followed.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import time
 from collections.abc import Mapping
-from typing import Any, TextIO
+from typing import TextIO
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from django.db import connections
-from django.utils.module_loading import import_string
 
 from lightning_site.console import progress_stream, quiet_libraries
 from lightning_site.embedded import embedded_gateway, embedded_workers
@@ -26,20 +26,9 @@ from lightning_site.queues import Queue
 from store import services as store_services
 from store.errors import InvalidInput
 from store.models import Project
-from trainer import progress, selectors, services
+from trainer import progress, selectors, services, specs
 from trainer.algorithms import algorithm_class
 from trainer.models import JobStatus, TrainingJob
-
-
-def load_spec(target: str) -> Any:
-    try:
-        module = importlib.import_module(target)
-        return module.job_spec
-    except (ImportError, AttributeError):
-        try:
-            return import_string(target)
-        except ImportError as exc:
-            raise CommandError(f"{target!r} names no job spec: {exc}") from None
 
 
 def project_named(name: str) -> Project:
@@ -128,9 +117,12 @@ class Command(BaseCommand):
     help = "Create a training job from a job spec and run it, showing progress."
 
     def add_arguments(self, parser) -> None:
-        parser.add_argument("target", help="job spec: a module with job_spec(), or its path")
+        parser.add_argument("target", help="job spec: a module defining job_spec(), the "
+                            "dotted path of such a function, a .py file defining job_spec(), "
+                            "or a .json file holding the spec (README 'Job specs')")
         parser.add_argument("--steps", type=int, help="training steps (the spec's default)")
-        parser.add_argument("--seed", type=int, default=0, help="seed of the spec and model (0)")
+        parser.add_argument("--seed", type=int, default=None,
+                            help="seed of the spec and model (0)")
         parser.add_argument("--project", default="default",
                             help="project of the job, made if missing (default)")
         parser.add_argument("--algorithm", help="override the spec's algorithm")
@@ -142,11 +134,16 @@ class Command(BaseCommand):
 
     def handle(self, *args, **opts) -> None:
         quiet_libraries(opts["verbosity"])
-        spec_fn = load_spec(opts["target"])
-        spec = spec_fn(seed=opts["seed"], **({"steps": opts["steps"]} if opts["steps"] else {}))
-        config = dict(spec["config"])
+        try:
+            spec = specs.spec_build(specs.spec_load(opts["target"]), where=opts["target"],
+                                    seed=opts["seed"], steps=opts["steps"])
+        except specs.SpecError as exc:
+            raise CommandError(str(exc)) from None
+        config = spec["config"]
         for item in opts["set"]:
-            key, _, raw = item.partition("=")
+            key, sep, raw = item.partition("=")
+            if not key or not sep:
+                raise CommandError(f"--set {item!r}: expected KEY=JSON, e.g. --set lr=0.1")
             try:
                 config[key] = json.loads(raw)
             except json.JSONDecodeError:
@@ -155,15 +152,18 @@ class Command(BaseCommand):
             job = services.job_create(
                 project=project_named(opts["project"]), agent=spec["agent"],
                 algorithm=opts["algorithm"] or spec["algorithm"], config=config,
-                train_dataset=spec["train_dataset"], val_dataset=spec.get("val_dataset", []),
-                name=spec.get("name", ""),
+                train_dataset=spec["train_dataset"], val_dataset=spec.get("val_dataset") or [],
+                name=spec.get("name") or "",
             )
         except InvalidInput as exc:
             raise CommandError(str(exc)) from None
         mode = "embedded" if settings.EMBEDDED_WORKERS else "distributed"
         self.stdout.write(f"job {job.pk} created ({mode} mode)")
         if opts["no_follow"] and not settings.EMBEDDED_WORKERS:
-            services.job_start(job_id=job.pk)
+            try:
+                services.job_start(job_id=job.pk)
+            except services.JobError as exc:
+                raise CommandError(str(exc)) from None
             self.stdout.write(f"submitted; follow it with `manage.py train_show {job.pk} --follow`")
             return
         notice = leftover_notice(job.pk) if settings.EMBEDDED_WORKERS else None
@@ -175,6 +175,8 @@ class Command(BaseCommand):
                                 out=progress_stream(self.stdout))
         except KeyboardInterrupt:
             raise interrupted(job.pk) from None
+        except services.JobError as exc:  # it could not start: failed, with the reason
+            raise CommandError(str(exc)) from None
         self.stdout.write(summary(snap, time.monotonic() - started, config.get("threshold")))
         if snap.job.status != "succeeded":
             raise CommandError(f"job {job.pk} {snap.job.status}")
