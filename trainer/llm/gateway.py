@@ -28,13 +28,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from lightning_site.gateway_metrics import record_completion
+from lightning_site.gateway_metrics import record_completion, record_turn
 from store.api.auth import authenticate_key
 from store.errors import NotFound
 from store.models import Project, ResourceVersion
 from store.tokens import attempt_token_project
 from trainer.checkpoints import CheckpointError
 from trainer.llm import calls
+from trainer.llm import tools as llm_tools
 from trainer.llm.batcher import Batcher
 from trainer.llm.engine import Engine, PromptTooLong, Sequence_
 from trainer.llm.openai_api import BadRequest, Parsed, chunk, parse, response, usage
@@ -61,6 +62,7 @@ class Gateway:
         self.batcher = batcher or Batcher()
         self.upstream = upstream  # trainer.llm.upstream.Upstream, or None: local engines
         self.recorder = calls.Recorder()
+        self.turns = calls.Turns()  # each attempt's last call: does the next one extend it?
         self.poll_seconds = poll_seconds
         self._watched: dict[tuple[int, str], str] = {}
         self._failures: dict[Space, int] = {}  # failed preloads in a row, per space (backoff)
@@ -179,7 +181,7 @@ class Gateway:
             self._release(*admitted)
         body = response(parsed, rid=prepared.rid, model=prepared.model_name,
                         prompt_ids=prepared.prompt_ids, choices=prepared.choices,
-                        text_of=prepared.text_of)
+                        text_of=prepared.text_of, outputs=prepared.outputs)
         # What the call spent waiting for and in the engine, and in the gateway itself.
         total = (time.time() - started) * 1000
         engine = prepared.engine_seconds * 1000
@@ -338,14 +340,20 @@ class Gateway:
                           completion_tokens=sum(len(s.token_ids) for s in prepared.choices),
                           seconds=time.time() - started)
         close_old_connections()
+        outputs = {s.index: prepared.output(s) for s in prepared.choices}
         if prepared.attribution is None:
             return
+        chained = self.turns.follow(prepared.attribution, prepared.prompt_ids,
+                                    [s.token_ids for s in prepared.choices], prepared.key)
+        if chained is not None:
+            record_turn(model=prepared.model_name, mismatch=not chained)
         call = calls.Call(
             kind=prepared.parsed.kind, model=prepared.model_name, version=prepared.version,
             request=prepared.parsed.body, prompt_ids=prepared.prompt_ids,
             choices=prepared.choices, started=started, finished=time.time(),
             response_id=prepared.rid, idempotency_key=prepared.key, token_text=prepared.text_of,
-            request_sha256=prepared.request_sha256)
+            request_sha256=prepared.request_sha256, outputs=outputs,
+            retokenized=None if chained is None else not chained)
         self.recorder.record(prepared.attribution, call)
 
     def _stream(self, prepared: _Prepared, started: float, admitted: tuple[int, int]):
@@ -355,11 +363,17 @@ class Gateway:
         events: asyncio.Queue = asyncio.Queue()
         parsed, created = prepared.parsed, int(started)
         holdback = max((len(s) for s in parsed.params.stop), default=1) - 1
+        offered = parsed.tools is not None and parsed.tools.offered
         sent = [0] * len(prepared.choices)
         finals: list[dict[str, Any]] = []  # appended by the decode thread, read after it
 
         def on_token(seq: Sequence_, token: int, logprob: float, top: list) -> None:
             end = len(seq.text) if seq.done else max(sent[seq.index], len(seq.text) - holdback)
+            out = prepared.output(seq) if seq.done else None
+            if out is not None and out.tool_calls:  # the calls go out whole, at the end
+                end = len(out.content or "")
+            elif offered and not seq.done:  # a call may be starting: held until it ends
+                end = max(sent[seq.index], llm_tools.safe_end(seq.text, end))
             text, sent[seq.index] = seq.text[sent[seq.index]:end], end
             lp = None
             if parsed.logprobs:
@@ -369,8 +383,10 @@ class Gateway:
                 lp = {"content": [entry]} if parsed.kind == "chat" else {
                     "tokens": [entry["token"]], "token_logprobs": [logprob]}
             event = chunk(parsed, rid=prepared.rid, model=prepared.model_name, created=created,
-                          index=seq.index, text=text, finish_reason=seq.finish_reason,
-                          token_ids=[token], logprobs=lp)
+                          index=seq.index, text=text,
+                          finish_reason=out.finish_reason if out is not None else None,
+                          token_ids=[token], logprobs=lp,
+                          tool_calls=out.tool_calls if out is not None else None)
             if seq.done:  # its last chunk goes out once the call is recorded
                 finals.append(event)
             else:
@@ -410,10 +426,11 @@ class Gateway:
             return
         for seq in prepared.choices:
             if seq.on_token is None:  # an upstream server's answer: forwarded whole
+                out = prepared.output(seq)
                 finals.append(chunk(parsed, rid=prepared.rid, model=prepared.model_name,
-                                    created=created, index=seq.index, text=seq.text,
-                                    finish_reason=seq.finish_reason, role=True,
-                                    token_ids=list(seq.token_ids)))
+                                    created=created, index=seq.index, text=out.content,
+                                    finish_reason=out.finish_reason, role=True,
+                                    token_ids=list(seq.token_ids), tool_calls=out.tool_calls))
         for event in sorted(finals, key=lambda e: e["choices"][0]["index"]):
             yield _sse(event)
         if parsed.include_usage:
@@ -508,6 +525,14 @@ class _Prepared:
         self.text_of = str
         self.engine_seconds = 0.0  # in the engine's queue and decoding (or the upstream)
         self.request_sha256: str | None = None
+        # Each choice as the client gets it (tool calls parsed; an upstream's as it said).
+        self.outputs: dict[int, llm_tools.Output] = {}
+
+    def output(self, seq: Sequence_) -> llm_tools.Output:
+        if seq.index not in self.outputs:
+            self.outputs[seq.index] = llm_tools.parse(
+                seq.text, seq.finish_reason, self.parsed.tools, f"{self.rid}:{seq.index}")
+        return self.outputs[seq.index]
 
     @property
     def version(self) -> int:
@@ -521,6 +546,8 @@ def _prompt_ids(engine: Engine, parsed: Parsed) -> list[int]:
     _check_prompt_size(engine, parsed)
     try:
         if parsed.kind == "chat":
+            if llm_tools.needs_rendering(body["messages"], parsed.tools):
+                return llm_tools.render(engine.tokenizer, body["messages"], parsed.tools)
             return render_chat(engine.tokenizer, body["messages"])
         prompt = body["prompt"]
         if isinstance(prompt, list):
@@ -543,6 +570,7 @@ def _check_prompt_size(engine: Engine, parsed: Parsed) -> None:
     if parsed.kind == "chat":
         chars = sum(len(m["content"]) if isinstance(m.get("content"), str) else
                     sum(len(p["text"]) for p in m.get("content") or []) for m in body["messages"])
+        chars += llm_tools.extra_chars(body)
     elif isinstance(body["prompt"], str):
         chars = len(body["prompt"])
     else:
