@@ -78,6 +78,7 @@ def test_several_calls_no_content_and_arguments_as_a_string_or_parameters():
     "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": [1]}\n</tool_call>",
     "<tool_call>\n[\"get_weather\"]\n</tool_call>",
     f"<tool_call>{CALL_BODY}</tool_call><tool_call>oops</tool_call>",
+    "<tool_call>" + "[" * 5000 + "]" * 5000 + "</tool_call>",  # deeper than json reads
 ])
 def test_a_malformed_call_is_plain_content_with_finish_stop(text):
     out = tools.parse("ok " + text, "stop", offered(WEATHER))
@@ -161,6 +162,9 @@ def test_a_template_that_supports_tools_renders_them_itself():
     text = tok.decode(tools.render(tok, history, offered(WEATHER, LOOKUP)))
     assert text.startswith("<|system|>TOOLS get_weather;lookup;")
     assert "CALL get_weather Paris" in text  # arguments reach the template as an object
+    deep = "[" * 5000 + "]" * 5000  # not JSON that json reads: passed on as the string
+    history[1]["tool_calls"][0]["function"]["arguments"] = deep
+    assert tools.render(tok, history, offered(WEATHER))
 
 
 # --- end to end -------------------------------------------------------------------------------
@@ -217,6 +221,7 @@ def ask(openai_client, messages, **extra):
         model="scripted", messages=messages, max_tokens=8, temperature=0, **extra)
 
 
+@pytest.mark.slow
 def test_a_tool_episode_is_answered_recorded_and_aggregated_as_one_trajectory(tool_gateway,
                                                                              keyed):
     gateway, base = tool_gateway
@@ -271,6 +276,7 @@ def _metric(gateway, name):
     return REGISTRY.get_sample_value(name, {"model": "scripted"}) or 0.0
 
 
+@pytest.mark.slow
 def test_malformed_and_declined_calls_come_back_as_content(tool_gateway, keyed):
     _, base = tool_gateway
     _, key, *_ = keyed
@@ -291,6 +297,7 @@ def test_malformed_and_declined_calls_come_back_as_content(tool_gateway, keyed):
     assert caught.value.body["param"] == "tool_choice.function.name"
 
 
+@pytest.mark.slow
 def test_a_streamed_call_holds_the_call_back_and_sends_it_whole(tool_gateway, keyed):
     gateway, base = tool_gateway
     project, key, *_ = keyed
@@ -311,6 +318,7 @@ def test_a_streamed_call_holds_the_call_back_and_sends_it_whole(tool_gateway, ke
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+@pytest.mark.slow
 def test_upstream_mode_passes_tools_and_tool_calls_through(tool_gateway, keyed):
     _, engine_base = tool_gateway
     project, key, *_ = keyed
@@ -341,6 +349,7 @@ def test_upstream_mode_passes_tools_and_tool_calls_through(tool_gateway, keyed):
         server.stop()
 
 
+@pytest.mark.slow
 def test_a_bad_tools_body_is_400_over_http(tool_gateway, keyed):
     _, base = tool_gateway
     _, key, *_ = keyed

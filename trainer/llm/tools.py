@@ -247,7 +247,7 @@ def _with_system(messages: list[dict[str, Any]], block: str) -> list[dict[str, A
 def _loads_or_text(arguments: str) -> Any:
     try:
         return json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):
         return arguments
 
 
@@ -301,7 +301,7 @@ def _calls(rest: str, tools: Tools) -> list[tuple[str, str]] | None:
 def _call(body: str, tools: Tools) -> tuple[str, str] | None:
     try:
         value = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(value, dict):
         return None
@@ -310,7 +310,7 @@ def _call(body: str, tools: Tools) -> tuple[str, str] | None:
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past what json reads
             return None
     if (not isinstance(name, str) or name not in tools.names or not isinstance(arguments, dict)
             or (tools.named is not None and name != tools.named)):
