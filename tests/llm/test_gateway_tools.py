@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import string
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -22,7 +23,7 @@ import pytest
 from trainer import conventions as c
 from trainer.algorithms.adapter import FinishedRollout
 from trainer.algorithms.token_adapter import TokenAdapter
-from trainer.llm import tools
+from trainer.llm import calls, tools
 from trainer.llm.openai_api import BadRequest, parse
 from trainer.llm.server import ServerThread, build_gateway
 from trainer.llm.tokenizer import char_tokenizer
@@ -104,6 +105,20 @@ def test_stream_holdback_sends_content_until_a_call_could_start():
     assert tools.safe_end("x<tool_c", 8) == 1
 
 
+def test_turns_compare_each_call_with_the_attempts_last_one_and_a_retry_with_the_one_before():
+    attempt = calls.Attribution(SimpleNamespace(pk=1), "ro-1", "at-1", None)
+    turns = calls.Turns()
+    assert turns.previous(attempt) == [] and turns.follow(attempt, [1, 2], [[3], [4]]) is None
+    assert turns.previous(attempt) == [[1, 2, 3], [1, 2, 4]]
+    assert turns.follow(attempt, [1, 2, 4, 9], [[5]], key="k") is True  # extends choice 1
+    # the same call again under its key: compared with nothing, spliced as its first try was
+    assert turns.previous(attempt, key="k") == [[1, 2, 3], [1, 2, 4]]
+    assert turns.follow(attempt, [1, 2, 4, 9], [[5]], key="k") is None
+    assert turns.follow(attempt, [1, 2, 4], [[6]]) is False  # does not extend [1, 2, 4, 9, 5]
+    other = calls.Attribution(SimpleNamespace(pk=1), "ro-1", "at-2", None)
+    assert turns.follow(other, [7], [[8]]) is None  # attempts apart
+
+
 # --- checking ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("extra, param", [
     ({"tools": {"type": "function"}}, "tools"),
@@ -168,9 +183,9 @@ def test_a_template_that_supports_tools_renders_them_itself():
 
 
 # --- end to end -------------------------------------------------------------------------------
-def scripted_tokenizer():
+def scripted_tokenizer(*extra):
     tok = char_tokenizer(string.printable)
-    tok.add_tokens(["<tool_call>", "</tool_call>", CALL_BODY])
+    tok.add_tokens(["<tool_call>", "</tool_call>", CALL_BODY, *extra])
     return tok
 
 
@@ -178,10 +193,14 @@ def scripted_tokenizer():
 def scripted_dir(tmp_path_factory):
     """The scripted model: after `<|assistant|>`, greedily `<tool_call>`, the call's JSON,
     `</tool_call>`, EOS (four tokens)."""
+    return scripted(tmp_path_factory.mktemp("scripted"), scripted_tokenizer(),
+                    ["<|assistant|>", "<tool_call>", CALL_BODY, "</tool_call>", "<eos>"])
+
+
+def scripted(path, tok, chain):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    tok = scripted_tokenizer()
     config = GPT2Config(vocab_size=len(tok), n_layer=1, n_head=2, n_embd=64, n_positions=1024,
                         bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
                         pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
@@ -196,11 +215,9 @@ def scripted_dir(tmp_path_factory):
         hidden = model.transformer.ln_f(model.transformer.wte.weight)  # what each token leaves
         model.lm_head.weight.zero_()
         ids = tok.convert_tokens_to_ids
-        chain = ["<|assistant|>", "<tool_call>", CALL_BODY, "</tool_call>", "<eos>"]
         for now, then in zip(chain, chain[1:], strict=False):
             h = hidden[ids(now)]
             model.lm_head.weight[ids(then)] += 20 * h / h.dot(h)
-    path = tmp_path_factory.mktemp("scripted")
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
@@ -358,3 +375,32 @@ def test_a_bad_tools_body_is_400_over_http(tool_gateway, keyed):
                         json={"model": "scripted", "messages": USER, "tools": "get_weather"})
     assert answer.status_code == 400
     assert answer.json()["error"]["param"] == "tools"
+
+
+@pytest.mark.slow
+def test_a_later_turn_starts_with_the_ids_generated_not_their_retokenization(
+        tmp_path, keyed, transactional_db):
+    """The model writes "a", "b" as two tokens; the tokenizer reads the text "ab" back as one
+    token. The next turn's prompt still starts with the two generated ids (spliced in)."""
+    tok = scripted_tokenizer("ab")
+    assert tok("ab", add_special_tokens=False)["input_ids"] == [tok.convert_tokens_to_ids("ab")]
+    path = scripted(tmp_path, tok, ["<|assistant|>", "a", "b", "<eos>"])
+    gateway = build_gateway(models=[f"scripted={path}"])
+    server = ServerThread(gateway.app()).start()
+    try:
+        project, key, *_ = keyed
+        rid, aid = started_attempt(project)
+        agent = client(f"http://127.0.0.1:{server.port}", key, rid, aid)
+        first = ask(agent, USER).choices[0].message
+        assert first.content == "ab"
+        ask(agent, [*USER, {"role": "assistant", "content": first.content},
+                    {"role": "user", "content": "and tomorrow?"}])
+        one, two = (s.attributes for s in llm_spans(rid))
+        assert tok.convert_ids_to_tokens(one[c.LLM_RESPONSE_IDS]) == ["a", "b", "<eos>"]
+        assert two[c.LLM_RETOKENIZED] is False
+        assert two[c.LLM_PROMPT_IDS][:len(one[c.LLM_PROMPT_IDS]) + 3] == (
+            one[c.LLM_PROMPT_IDS] + one[c.LLM_RESPONSE_IDS])
+        assert tok.decode(two[c.LLM_PROMPT_IDS]).endswith(
+            "<|assistant|>ab<eos><|user|>and tomorrow?<|assistant|>")
+    finally:
+        server.stop()

@@ -40,7 +40,6 @@ from trainer.llm.batcher import Batcher
 from trainer.llm.engine import Engine, PromptTooLong, Sequence_
 from trainer.llm.openai_api import BadRequest, Parsed, chunk, parse, response, usage
 from trainer.llm.registry import Registry, Space, UnknownModel
-from trainer.llm.tokenizer import render_chat
 
 log = logging.getLogger(__name__)
 DB_THREADS = 64  # each call holds one while it waits for its batch
@@ -181,7 +180,8 @@ class Gateway:
             self._release(*admitted)
         body = response(parsed, rid=prepared.rid, model=prepared.model_name,
                         prompt_ids=prepared.prompt_ids, choices=prepared.choices,
-                        text_of=prepared.text_of, outputs=prepared.outputs)
+                        text_of=prepared.text_of,
+                        outputs={s.index: prepared.output(s) for s in prepared.choices})
         # What the call spent waiting for and in the engine, and in the gateway itself.
         total = (time.time() - started) * 1000
         engine = prepared.engine_seconds * 1000
@@ -257,7 +257,9 @@ class Gateway:
             return prepared
         engine = self._engine(parsed, project, attribution)
         prepared.engine, prepared.model_name = engine, engine.name
-        prepared.prompt_ids = _prompt_ids(engine, parsed)
+        previous = (self.turns.previous(attribution, key) if attribution is not None
+                    else None)  # the attempt's last call: its ids are kept as generated
+        prepared.prompt_ids = _prompt_ids(engine, parsed, previous)
         try:
             engine.check_prompt(prepared.prompt_ids)
         except PromptTooLong as exc:
@@ -340,9 +342,9 @@ class Gateway:
                           completion_tokens=sum(len(s.token_ids) for s in prepared.choices),
                           seconds=time.time() - started)
         close_old_connections()
-        outputs = {s.index: prepared.output(s) for s in prepared.choices}
         if prepared.attribution is None:
             return
+        outputs = {s.index: prepared.output(s) for s in prepared.choices}
         chained = self.turns.follow(prepared.attribution, prepared.prompt_ids,
                                     [s.token_ids for s in prepared.choices], prepared.key)
         if chained is not None:
@@ -525,14 +527,15 @@ class _Prepared:
         self.text_of = str
         self.engine_seconds = 0.0  # in the engine's queue and decoding (or the upstream)
         self.request_sha256: str | None = None
-        # Each choice as the client gets it (tool calls parsed; an upstream's as it said).
-        self.outputs: dict[int, llm_tools.Output] = {}
+        self.outputs: dict[int, llm_tools.Output] = {}  # an upstream's answers, as it gave them
 
     def output(self, seq: Sequence_) -> llm_tools.Output:
-        if seq.index not in self.outputs:
-            self.outputs[seq.index] = llm_tools.parse(
-                seq.text, seq.finish_reason, self.parsed.tools, f"{self.rid}:{seq.index}")
-        return self.outputs[seq.index]
+        """The choice as the client gets it: tool calls parsed from its text (the same each
+        time it is asked: the calls' ids derive from the response id), or the upstream's."""
+        if seq.index in self.outputs:
+            return self.outputs[seq.index]
+        return llm_tools.parse(seq.text, seq.finish_reason, self.parsed.tools,
+                               f"{self.rid}:{seq.index}")
 
     @property
     def version(self) -> int:
@@ -540,15 +543,14 @@ class _Prepared:
         return self.engine.version if self.engine is not None else 0
 
 
-def _prompt_ids(engine: Engine, parsed: Parsed) -> list[int]:
+def _prompt_ids(engine: Engine, parsed: Parsed,
+                previous: list[list[int]] | None = None) -> list[int]:
     body = parsed.body
     field = "messages" if parsed.kind == "chat" else "prompt"
     _check_prompt_size(engine, parsed)
     try:
         if parsed.kind == "chat":
-            if llm_tools.needs_rendering(body["messages"], parsed.tools):
-                return llm_tools.render(engine.tokenizer, body["messages"], parsed.tools)
-            return render_chat(engine.tokenizer, body["messages"])
+            return llm_tools.render(engine.tokenizer, body["messages"], parsed.tools, previous)
         prompt = body["prompt"]
         if isinstance(prompt, list):
             vocab = _vocab_size(engine)

@@ -158,22 +158,36 @@ def supports_tools(tokenizer: Any) -> bool:
     return isinstance(template, str) and "tools" in template
 
 
-def render(tokenizer: Any, messages: list[dict[str, Any]], tools: Tools | None) -> list[int]:
+def render(tokenizer: Any, messages: list[dict[str, Any]], tools: Tools | None,
+           previous: list[list[int]] | None = None) -> list[int]:
     """Prompt token ids for chat `messages` with their tool calls and results, and the
-    tools offered (none for `tool_choice: none`)."""
-    if not supports_tools(tokenizer):
+    tools offered (none for `tool_choice: none`).
+
+    `previous`: the attempt's last call, prompt plus response ids (one list per choice). When
+    the rendered text starts with one of them decoded, those ids are kept as they are and only
+    the rest is tokenized: the model's own tokens, not a re-tokenization of their text (which
+    may split differently), so the turns chain into one trajectory."""
+    if not getattr(tokenizer, "chat_template", None):  # "role: content" lines
         return render_chat(tokenizer, hermes_messages(messages, tools))
-    extra = {"tools": list(tools.specs)} if tools is not None and tools.offered else {}
-    ids = tokenizer.apply_chat_template(native_messages(messages, tools),
-                                        add_generation_prompt=True, tokenize=True, **extra)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 may return an encoding
-        ids = ids["input_ids"]
-    return [int(i) for i in ids]
+    if supports_tools(tokenizer):
+        extra = {"tools": list(tools.specs)} if tools is not None and tools.offered else {}
+        text = tokenizer.apply_chat_template(native_messages(messages, tools),
+                                             add_generation_prompt=True, tokenize=False, **extra)
+    else:
+        text = tokenizer.apply_chat_template(hermes_messages(messages, tools),
+                                             add_generation_prompt=True, tokenize=False)
+    for ids in previous or []:
+        done = tokenizer.decode(ids, skip_special_tokens=False,
+                                clean_up_tokenization_spaces=False)
+        if done and text.startswith(done):
+            return list(ids) + _encode(tokenizer, text[len(done):])
+    return _encode(tokenizer, text)
 
 
-def needs_rendering(messages: list[dict[str, Any]], tools: Tools | None) -> bool:
-    return (tools is not None and tools.offered) or any(
-        m.get("tool_calls") or m.get("role") == "tool" for m in messages)
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    # As apply_chat_template(tokenize=True) does: the template wrote any BOS itself.
+    return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]] if text \
+        else []
 
 
 def native_messages(messages: list[dict[str, Any]], tools: Tools | None) -> list[dict]:
