@@ -27,6 +27,7 @@ from trainer.llm import calls, tools
 from trainer.llm.openai_api import BadRequest, parse
 from trainer.llm.server import ServerThread, build_gateway
 from trainer.llm.tokenizer import char_tokenizer
+from trainer.llm.turns import Turns
 
 from .test_gateway import client, llm_spans, started_attempt
 
@@ -107,7 +108,7 @@ def test_stream_holdback_sends_content_until_a_call_could_start():
 
 def test_turns_compare_each_call_with_the_attempts_last_one_and_a_retry_with_the_one_before():
     attempt = calls.Attribution(SimpleNamespace(pk=1), "ro-1", "at-1", None)
-    turns = calls.Turns()
+    turns = Turns()
     assert turns.previous(attempt) == [] and turns.follow(attempt, [1, 2], [[3], [4]]) is None
     assert turns.previous(attempt) == [[1, 2, 3], [1, 2, 4]]
     assert turns.follow(attempt, [1, 2, 4, 9], [[5]], key="k") is True  # extends choice 1

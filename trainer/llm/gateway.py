@@ -40,6 +40,7 @@ from trainer.llm.batcher import Batcher
 from trainer.llm.engine import Engine, PromptTooLong, Sequence_
 from trainer.llm.openai_api import BadRequest, Parsed, chunk, parse, response, usage
 from trainer.llm.registry import Registry, Space, UnknownModel
+from trainer.llm.turns import Turns
 
 log = logging.getLogger(__name__)
 DB_THREADS = 64  # each call holds one while it waits for its batch
@@ -61,7 +62,7 @@ class Gateway:
         self.batcher = batcher or Batcher()
         self.upstream = upstream  # trainer.llm.upstream.Upstream, or None: local engines
         self.recorder = calls.Recorder()
-        self.turns = calls.Turns()  # each attempt's last call: does the next one extend it?
+        self.turns = Turns()  # each attempt's last call: does the next one extend it?
         self.poll_seconds = poll_seconds
         self._watched: dict[tuple[int, str], str] = {}
         self._failures: dict[Space, int] = {}  # failed preloads in a row, per space (backoff)
