@@ -118,6 +118,13 @@ def test_turns_compare_each_call_with_the_attempts_last_one_and_a_retry_with_the
     assert turns.follow(attempt, [1, 2, 4], [[6]]) is False  # does not extend [1, 2, 4, 9, 5]
     other = calls.Attribution(SimpleNamespace(pk=1), "ro-1", "at-2", None)
     assert turns.follow(other, [7], [[8]]) is None  # attempts apart
+    # a bounded memory: past max_tokens ids held, the least recently used attempts go
+    small = Turns(max_tokens=10)
+    small.follow(attempt, [1, 2, 3], [[4]])
+    small.follow(other, [5, 6, 7], [[8]])
+    small.follow(other, [5, 6, 7, 8, 9], [[10]])  # 6 ids + the 4 before them: attempt goes
+    assert small.previous(attempt) == [] and small.held == 10
+    assert small.follow(other, [5, 6, 7, 8, 9, 10], [[11]]) is True
 
 
 # --- checking ---------------------------------------------------------------------------------
