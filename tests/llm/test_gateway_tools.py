@@ -109,11 +109,11 @@ def test_stream_holdback_sends_content_until_a_call_could_start():
 def test_turns_compare_each_call_with_the_attempts_last_one_and_a_retry_with_the_one_before():
     attempt = calls.Attribution(SimpleNamespace(pk=1), "ro-1", "at-1", None)
     turns = Turns()
-    assert turns.previous(attempt) == [] and turns.follow(attempt, [1, 2], [[3], [4]]) is None
-    assert turns.previous(attempt) == [[1, 2, 3], [1, 2, 4]]
+    assert turns.previous(attempt) is None and turns.follow(attempt, [1, 2], [[3], [4]]) is None
+    assert turns.previous(attempt).ids == [[1, 2, 3], [1, 2, 4]]
     assert turns.follow(attempt, [1, 2, 4, 9], [[5]], key="k") is True  # extends choice 1
     # the same call again under its key: compared with nothing, spliced as its first try was
-    assert turns.previous(attempt, key="k") == [[1, 2, 3], [1, 2, 4]]
+    assert turns.previous(attempt, key="k").ids == [[1, 2, 3], [1, 2, 4]]
     assert turns.follow(attempt, [1, 2, 4, 9], [[5]], key="k") is None
     assert turns.follow(attempt, [1, 2, 4], [[6]]) is False  # does not extend [1, 2, 4, 9, 5]
     other = calls.Attribution(SimpleNamespace(pk=1), "ro-1", "at-2", None)
@@ -123,7 +123,7 @@ def test_turns_compare_each_call_with_the_attempts_last_one_and_a_retry_with_the
     small.follow(attempt, [1, 2, 3], [[4]])
     small.follow(other, [5, 6, 7], [[8]])
     small.follow(other, [5, 6, 7, 8, 9], [[10]])  # 6 ids + the 4 before them: attempt goes
-    assert small.previous(attempt) == [] and small.held == 10
+    assert small.previous(attempt) is None and small.held == 10
     assert small.follow(other, [5, 6, 7, 8, 9, 10], [[11]]) is True
 
 
@@ -410,5 +410,42 @@ def test_a_later_turn_starts_with_the_ids_generated_not_their_retokenization(
             one[c.LLM_PROMPT_IDS] + one[c.LLM_RESPONSE_IDS])
         assert tok.decode(two[c.LLM_PROMPT_IDS]).endswith(
             "<|assistant|>ab<eos><|user|>and tomorrow?<|assistant|>")
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_a_call_written_its_own_way_is_rendered_back_as_written(tmp_path, keyed,
+                                                               transactional_db):
+    """The model writes its call compactly and adds a remark after it; the client gets the
+    canonical call and sends it back; the next prompt holds the text as generated."""
+    compact = '{"name":"get_weather","arguments":{"city":"Paris"}}'
+    tok = scripted_tokenizer(compact, " ok")
+    path = scripted(tmp_path, tok, ["<|assistant|>", "<tool_call>", compact, "</tool_call>",
+                                    " ok", "<eos>"])
+    gateway = build_gateway(models=[f"scripted={path}"])
+    server = ServerThread(gateway.app()).start()
+    try:
+        project, key, *_ = keyed
+        rid, aid = started_attempt(project)
+        agent = client(f"http://127.0.0.1:{server.port}", key, rid, aid)
+        first = ask(agent, USER, tools=[WEATHER]).choices[0].message
+        (call,) = first.tool_calls
+        assert call.function.arguments == ARGS  # canonical for the client
+        history = [*USER, first.model_dump(exclude_none=True),
+                   {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+        ask(agent, history, tools=[WEATHER])
+        changed = [*USER, {**first.model_dump(exclude_none=True), "tool_calls": [
+            {**call.model_dump(), "function": {"name": "get_weather",
+                                               "arguments": '{"city": "Rome"}'}}]},
+            {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+        ask(agent, changed, tools=[WEATHER])
+        one, two, three = (s.attributes for s in llm_spans(rid))
+        assert two[c.LLM_RETOKENIZED] is False
+        assert f"<|assistant|><tool_call>{compact}</tool_call> ok<eos>" in tok.decode(
+            two[c.LLM_PROMPT_IDS])
+        # a history the client changed renders as sent (and does not chain)
+        assert three[c.LLM_RETOKENIZED] is True
+        assert '"arguments": {"city": "Rome"}' in tok.decode(three[c.LLM_PROMPT_IDS])
     finally:
         server.stop()

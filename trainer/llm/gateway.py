@@ -346,8 +346,11 @@ class Gateway:
         if prepared.attribution is None:
             return
         outputs = {s.index: prepared.output(s) for s in prepared.choices}
+        said = {} if self.upstream is not None else {  # what its calls were as generated
+            k: v for s in prepared.choices
+            for k, v in llm_tools.said(outputs[s.index], s.text).items()}
         chained = self.turns.follow(prepared.attribution, prepared.prompt_ids,
-                                    [s.token_ids for s in prepared.choices], prepared.key)
+                                    [s.token_ids for s in prepared.choices], prepared.key, said)
         if chained is not None:
             record_turn(model=prepared.model_name, mismatch=not chained)
         call = calls.Call(
@@ -545,7 +548,7 @@ class _Prepared:
 
 
 def _prompt_ids(engine: Engine, parsed: Parsed,
-                previous: list[list[int]] | None = None) -> list[int]:
+                previous: llm_tools.Previous | None = None) -> list[int]:
     body = parsed.body
     field = "messages" if parsed.kind == "chat" else "prompt"
     _check_prompt_size(engine, parsed)

@@ -64,6 +64,16 @@ class Tools:
 
 
 @dataclass(frozen=True)
+class Previous:
+    """An attempt's last call: prompt plus response ids (one list per choice), and for each
+    choice that called tools, its call ids -> (the assistant message as rendered back from what
+    the client got, the text generated)."""
+
+    ids: list[list[int]]
+    said: dict[tuple[str, ...], tuple[str, str]]
+
+
+@dataclass(frozen=True)
 class Output:
     """A choice as the client sees it."""
 
@@ -159,24 +169,26 @@ def supports_tools(tokenizer: Any) -> bool:
 
 
 def render(tokenizer: Any, messages: list[dict[str, Any]], tools: Tools | None,
-           previous: list[list[int]] | None = None) -> list[int]:
+           previous: Previous | None = None) -> list[int]:
     """Prompt token ids for chat `messages` with their tool calls and results, and the
     tools offered (none for `tool_choice: none`).
 
-    `previous`: the attempt's last call, prompt plus response ids (one list per choice). When
-    the rendered text starts with one of them decoded, those ids are kept as they are and only
-    the rest is tokenized: the model's own tokens, not a re-tokenization of their text (which
-    may split differently), so the turns chain into one trajectory."""
+    `previous`: the attempt's last call. Its calls, sent back unchanged, render as the text
+    that was generated (whatever its spacing); and when the rendered text starts with its
+    prompt plus response ids decoded, those ids are kept as they are and only the rest is
+    tokenized: the model's own tokens, not a re-tokenization of their text (which may split
+    differently), so the turns chain into one trajectory."""
+    said = previous.said if previous is not None else {}
     if not getattr(tokenizer, "chat_template", None):  # "role: content" lines
-        return render_chat(tokenizer, hermes_messages(messages, tools))
+        return render_chat(tokenizer, hermes_messages(messages, tools, said))
     if supports_tools(tokenizer):
         extra = {"tools": list(tools.specs)} if tools is not None and tools.offered else {}
         text = tokenizer.apply_chat_template(native_messages(messages, tools),
                                              add_generation_prompt=True, tokenize=False, **extra)
     else:
-        text = tokenizer.apply_chat_template(hermes_messages(messages, tools),
+        text = tokenizer.apply_chat_template(hermes_messages(messages, tools, said),
                                              add_generation_prompt=True, tokenize=False)
-    for ids in previous or []:
+    for ids in previous.ids if previous is not None else []:
         done = tokenizer.decode(ids, skip_special_tokens=False,
                                 clean_up_tokenization_spaces=False)
         if done and text.startswith(done):
@@ -208,9 +220,10 @@ def native_messages(messages: list[dict[str, Any]], tools: Tools | None) -> list
     return _with_system(out, instruction(tools)) if instruction(tools) else out
 
 
-def hermes_messages(messages: list[dict[str, Any]], tools: Tools | None) -> list[dict]:
+def hermes_messages(messages: list[dict[str, Any]], tools: Tools | None,
+                    said: dict[tuple[str, ...], tuple[str, str]] | None = None) -> list[dict]:
     """Plain role/content messages carrying the tools in Hermes style (for a template that
-    does not support tools)."""
+    does not support tools). `said`: see Previous."""
     out: list[dict[str, Any]] = []
     for m in messages:
         content = text(m.get("content"))
@@ -222,9 +235,12 @@ def hermes_messages(messages: list[dict[str, Any]], tools: Tools | None) -> list
                 out.append({"role": "user", "content": block, "_tool": True})
             continue
         if m.get("tool_calls"):
-            content += "\n".join(call_text(c["function"]["name"],
-                                           c["function"].get("arguments") or "{}")
-                                 for c in m["tool_calls"])
+            content = calls_text(content, [(c["function"]["name"],
+                                            c["function"].get("arguments") or "{}")
+                                           for c in m["tool_calls"]])
+            made = (said or {}).get(tuple(c["id"] for c in m["tool_calls"]))
+            if made is not None and made[0] == content:  # as the model wrote it
+                content = made[1]
         out.append({"role": m["role"], "content": content})
     out = [{"role": m["role"], "content": m["content"]} for m in out]
     if tools is not None and tools.offered:
@@ -234,6 +250,19 @@ def hermes_messages(messages: list[dict[str, Any]], tools: Tools | None) -> list
             block += "\n\n" + instruction(tools)
         out = _with_system(out, block)
     return out
+
+
+def calls_text(content: str, calls: list[tuple[str, str]]) -> str:
+    return content + "\n".join(call_text(name, arguments) for name, arguments in calls)
+
+
+def said(out: Output, generated: str) -> dict[tuple[str, ...], tuple[str, str]]:
+    """A choice's entry in Previous.said ({} when it called no tool)."""
+    if not out.tool_calls:
+        return {}
+    rendered = calls_text(out.content or "", [(c["function"]["name"], c["function"]["arguments"])
+                                              for c in out.tool_calls])
+    return {tuple(c["id"] for c in out.tool_calls): (rendered, generated)}
 
 
 def call_text(name: str, arguments: str) -> str:
