@@ -18,6 +18,21 @@ gateway_latency = Histogram(
     "lightning_gateway_request_seconds", "Time to answer one completion", ["model"],
     buckets=LATENCY_BUCKETS)
 
+gateway_chained_turns = Counter(
+    "lightning_gateway_chained_turns",
+    "Attributed calls that follow an earlier call of the same attempt", ["model"])
+gateway_retokenization_mismatches = Counter(
+    "lightning_gateway_retokenization_mismatches",
+    "Calls whose prompt ids do not start with the previous call's prompt and response ids "
+    "(same attempt): their episode cannot be aggregated as one trajectory", ["model"])
+
+
+def record_turn(model: str, mismatch: bool) -> None:
+    gateway_chained_turns.labels(model).inc()
+    mismatches = gateway_retokenization_mismatches.labels(model)  # shown at 0 too
+    if mismatch:
+        mismatches.inc()
+
 
 def record_completion(model: str, prompt_tokens: int, completion_tokens: int,
                       seconds: float) -> None:

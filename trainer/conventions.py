@@ -33,3 +33,6 @@ LLM_VERSION = "lightning.llm.version"  # int: the checkpoint version that genera
 # str: sha256 of the request body, which binds an idempotency key to it (trainer/llm/calls.py)
 LLM_REQUEST_SHA256 = "lightning.llm.request_sha256"
 LLM_FINISH = "gen_ai.response.finish_reasons"
+# bool, on a call that follows another of its attempt: True when its prompt ids do not start
+# with the previous call's prompt and response ids (the turns cannot make one trajectory).
+LLM_RETOKENIZED = "lightning.llm.retokenization_mismatch"

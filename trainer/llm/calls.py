@@ -30,6 +30,7 @@ from store.models import Attempt, Project, ResourceVersion, Rollout, Span
 from store.statemachine import ATTEMPT_ENDED, ROLLOUT_TERMINAL
 from trainer import conventions as c
 from trainer.llm.engine import Sequence_
+from trainer.llm.tools import Output
 
 
 class AttemptFinished(Exception):
@@ -166,6 +167,10 @@ class Call:
     idempotency_key: str | None = None
     token_text: Any = None  # callable: token id -> its text (for logprobs.content)
     request_sha256: str | None = None  # binds the idempotency key to this body
+    outputs: dict[int, Output] = field(default_factory=dict)  # as the client got each choice
+    # True: the prompt does not extend the attempt's previous call (re-tokenized); None: no
+    # previous call (or a retry of it).
+    retokenized: bool | None = None
 
 
 def response_id(kind: str, key: str | None) -> str:
@@ -283,13 +288,14 @@ def _span(attribution: Attribution, call: Call, index: int, choice: Sequence_) -
     else:
         trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
     request = call.request
+    out = call.outputs.get(choice.index) or Output(choice.text, None, choice.finish_reason)
     attributes: dict[str, Any] = {
         "gen_ai.system": "lightning",
         "gen_ai.operation.name": "chat" if call.kind == "chat" else "text_completion",
         "gen_ai.request.model": request.get("model"),
         "gen_ai.response.model": call.model,
         "gen_ai.response.id": call.response_id if index == 0 else f"{call.response_id}-{index}",
-        c.LLM_FINISH: choice.finish_reason,
+        c.LLM_FINISH: out.finish_reason,
         "gen_ai.usage.prompt_tokens": len(call.prompt_ids),
         "gen_ai.usage.completion_tokens": len(choice.token_ids),
         c.LLM_PROMPT_IDS: list(call.prompt_ids),
@@ -319,8 +325,11 @@ def _span(attribution: Attribution, call: Call, index: int, choice: Sequence_) -
         attributes["gen_ai.prompt.0.role"] = "user"
         attributes["gen_ai.prompt.0.content"] = request.get("prompt")
     attributes["gen_ai.completion.0.role"] = "assistant"
-    attributes["gen_ai.completion.0.content"] = choice.text
-    attributes["gen_ai.completion.0.finish_reason"] = choice.finish_reason
+    attributes["gen_ai.completion.0.content"] = out.content or ""
+    attributes["gen_ai.completion.0.finish_reason"] = out.finish_reason
+    _tool_attributes(attributes, request, out)
+    if call.retokenized is not None:
+        attributes[c.LLM_RETOKENIZED] = call.retokenized
     return {
         "rollout_id": attribution.rollout_id, "attempt_id": attribution.attempt_id,
         "sequence_id": None, "trace_id": trace_id, "span_id": span_id, "parent_id": None,
@@ -333,3 +342,25 @@ def _span(attribution: Attribution, call: Call, index: int, choice: Sequence_) -
         "resource": {"attributes": {"service.name": "lightning.gateway"}, "schema_url": ""},
     }
 
+
+
+def _tool_attributes(attributes: dict[str, Any], request: dict[str, Any], out: Output) -> None:
+    """The tools offered, the messages' calls and results, and the calls returned (OpenLLMetry's
+    `gen_ai.completion.0.tool_calls.{k}.*` names)."""
+    if isinstance(request.get("tools"), list):
+        attributes["gen_ai.request.tools"] = json.dumps(
+            [t["function"]["name"] for t in request["tools"]])
+    choice = request.get("tool_choice")
+    if choice is not None:
+        attributes["gen_ai.request.tool_choice"] = (
+            choice if isinstance(choice, str) else json.dumps(choice))
+    for i, message in enumerate(request.get("messages") or []):
+        if message.get("tool_calls"):
+            attributes[f"gen_ai.prompt.{i}.tool_calls"] = json.dumps(message["tool_calls"])
+        if message.get("tool_call_id"):
+            attributes[f"gen_ai.prompt.{i}.tool_call_id"] = message["tool_call_id"]
+    for k, tool_call in enumerate(out.tool_calls or []):
+        prefix = f"gen_ai.completion.0.tool_calls.{k}"
+        attributes[f"{prefix}.id"] = tool_call.get("id")
+        attributes[f"{prefix}.name"] = (tool_call.get("function") or {}).get("name")
+        attributes[f"{prefix}.arguments"] = (tool_call.get("function") or {}).get("arguments")

@@ -28,18 +28,19 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from lightning_site.gateway_metrics import record_completion
+from lightning_site.gateway_metrics import record_completion, record_turn
 from store.api.auth import authenticate_key
 from store.errors import NotFound
 from store.models import Project, ResourceVersion
 from store.tokens import attempt_token_project
 from trainer.checkpoints import CheckpointError
 from trainer.llm import calls
+from trainer.llm import tools as llm_tools
 from trainer.llm.batcher import Batcher
 from trainer.llm.engine import Engine, PromptTooLong, Sequence_
 from trainer.llm.openai_api import BadRequest, Parsed, chunk, parse, response, usage
 from trainer.llm.registry import Registry, Space, UnknownModel
-from trainer.llm.tokenizer import render_chat
+from trainer.llm.turns import Turns
 
 log = logging.getLogger(__name__)
 DB_THREADS = 64  # each call holds one while it waits for its batch
@@ -61,6 +62,7 @@ class Gateway:
         self.batcher = batcher or Batcher()
         self.upstream = upstream  # trainer.llm.upstream.Upstream, or None: local engines
         self.recorder = calls.Recorder()
+        self.turns = Turns()  # each attempt's last call: does the next one extend it?
         self.poll_seconds = poll_seconds
         self._watched: dict[tuple[int, str], str] = {}
         self._failures: dict[Space, int] = {}  # failed preloads in a row, per space (backoff)
@@ -179,7 +181,8 @@ class Gateway:
             self._release(*admitted)
         body = response(parsed, rid=prepared.rid, model=prepared.model_name,
                         prompt_ids=prepared.prompt_ids, choices=prepared.choices,
-                        text_of=prepared.text_of)
+                        text_of=prepared.text_of,
+                        outputs={s.index: prepared.output(s) for s in prepared.choices})
         # What the call spent waiting for and in the engine, and in the gateway itself.
         total = (time.time() - started) * 1000
         engine = prepared.engine_seconds * 1000
@@ -255,7 +258,9 @@ class Gateway:
             return prepared
         engine = self._engine(parsed, project, attribution)
         prepared.engine, prepared.model_name = engine, engine.name
-        prepared.prompt_ids = _prompt_ids(engine, parsed)
+        previous = (self.turns.previous(attribution, key) if attribution is not None
+                    else None)  # the attempt's last call: its ids are kept as generated
+        prepared.prompt_ids = _prompt_ids(engine, parsed, previous)
         try:
             engine.check_prompt(prepared.prompt_ids)
         except PromptTooLong as exc:
@@ -340,12 +345,21 @@ class Gateway:
         close_old_connections()
         if prepared.attribution is None:
             return
+        outputs = {s.index: prepared.output(s) for s in prepared.choices}
+        said = {} if self.upstream is not None else {  # what its calls were as generated
+            k: v for s in prepared.choices
+            for k, v in llm_tools.said(outputs[s.index], s.text).items()}
+        chained = self.turns.follow(prepared.attribution, prepared.prompt_ids,
+                                    [s.token_ids for s in prepared.choices], prepared.key, said)
+        if chained is not None:
+            record_turn(model=prepared.model_name, mismatch=not chained)
         call = calls.Call(
             kind=prepared.parsed.kind, model=prepared.model_name, version=prepared.version,
             request=prepared.parsed.body, prompt_ids=prepared.prompt_ids,
             choices=prepared.choices, started=started, finished=time.time(),
             response_id=prepared.rid, idempotency_key=prepared.key, token_text=prepared.text_of,
-            request_sha256=prepared.request_sha256)
+            request_sha256=prepared.request_sha256, outputs=outputs,
+            retokenized=None if chained is None else not chained)
         self.recorder.record(prepared.attribution, call)
 
     def _stream(self, prepared: _Prepared, started: float, admitted: tuple[int, int]):
@@ -355,11 +369,17 @@ class Gateway:
         events: asyncio.Queue = asyncio.Queue()
         parsed, created = prepared.parsed, int(started)
         holdback = max((len(s) for s in parsed.params.stop), default=1) - 1
+        offered = parsed.tools is not None and parsed.tools.offered
         sent = [0] * len(prepared.choices)
         finals: list[dict[str, Any]] = []  # appended by the decode thread, read after it
 
         def on_token(seq: Sequence_, token: int, logprob: float, top: list) -> None:
             end = len(seq.text) if seq.done else max(sent[seq.index], len(seq.text) - holdback)
+            out = prepared.output(seq) if seq.done else None
+            if out is not None and out.tool_calls:  # the calls go out whole, at the end
+                end = len(out.content or "")
+            elif offered and not seq.done:  # a call may be starting: held until it ends
+                end = max(sent[seq.index], llm_tools.safe_end(seq.text, end))
             text, sent[seq.index] = seq.text[sent[seq.index]:end], end
             lp = None
             if parsed.logprobs:
@@ -369,8 +389,10 @@ class Gateway:
                 lp = {"content": [entry]} if parsed.kind == "chat" else {
                     "tokens": [entry["token"]], "token_logprobs": [logprob]}
             event = chunk(parsed, rid=prepared.rid, model=prepared.model_name, created=created,
-                          index=seq.index, text=text, finish_reason=seq.finish_reason,
-                          token_ids=[token], logprobs=lp)
+                          index=seq.index, text=text,
+                          finish_reason=out.finish_reason if out is not None else None,
+                          token_ids=[token], logprobs=lp,
+                          tool_calls=out.tool_calls if out is not None else None)
             if seq.done:  # its last chunk goes out once the call is recorded
                 finals.append(event)
             else:
@@ -410,10 +432,11 @@ class Gateway:
             return
         for seq in prepared.choices:
             if seq.on_token is None:  # an upstream server's answer: forwarded whole
+                out = prepared.output(seq)
                 finals.append(chunk(parsed, rid=prepared.rid, model=prepared.model_name,
-                                    created=created, index=seq.index, text=seq.text,
-                                    finish_reason=seq.finish_reason, role=True,
-                                    token_ids=list(seq.token_ids)))
+                                    created=created, index=seq.index, text=out.content,
+                                    finish_reason=out.finish_reason, role=True,
+                                    token_ids=list(seq.token_ids), tool_calls=out.tool_calls))
         for event in sorted(finals, key=lambda e: e["choices"][0]["index"]):
             yield _sse(event)
         if parsed.include_usage:
@@ -508,6 +531,15 @@ class _Prepared:
         self.text_of = str
         self.engine_seconds = 0.0  # in the engine's queue and decoding (or the upstream)
         self.request_sha256: str | None = None
+        self.outputs: dict[int, llm_tools.Output] = {}  # an upstream's answers, as it gave them
+
+    def output(self, seq: Sequence_) -> llm_tools.Output:
+        """The choice as the client gets it: tool calls parsed from its text (the same each
+        time it is asked: the calls' ids derive from the response id), or the upstream's."""
+        if seq.index in self.outputs:
+            return self.outputs[seq.index]
+        return llm_tools.parse(seq.text, seq.finish_reason, self.parsed.tools,
+                               f"{self.rid}:{seq.index}")
 
     @property
     def version(self) -> int:
@@ -515,13 +547,14 @@ class _Prepared:
         return self.engine.version if self.engine is not None else 0
 
 
-def _prompt_ids(engine: Engine, parsed: Parsed) -> list[int]:
+def _prompt_ids(engine: Engine, parsed: Parsed,
+                previous: llm_tools.Previous | None = None) -> list[int]:
     body = parsed.body
     field = "messages" if parsed.kind == "chat" else "prompt"
     _check_prompt_size(engine, parsed)
     try:
         if parsed.kind == "chat":
-            return render_chat(engine.tokenizer, body["messages"])
+            return llm_tools.render(engine.tokenizer, body["messages"], parsed.tools, previous)
         prompt = body["prompt"]
         if isinstance(prompt, list):
             vocab = _vocab_size(engine)
@@ -543,6 +576,7 @@ def _check_prompt_size(engine: Engine, parsed: Parsed) -> None:
     if parsed.kind == "chat":
         chars = sum(len(m["content"]) if isinstance(m.get("content"), str) else
                     sum(len(p["text"]) for p in m.get("content") or []) for m in body["messages"])
+        chars += llm_tools.extra_chars(body)
     elif isinstance(body["prompt"], str):
         chars = len(body["prompt"])
     else:

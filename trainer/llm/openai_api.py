@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from trainer.llm import tools as llm_tools
 from trainer.llm.engine import Params, Sequence_
 
 MAX_N = 16
@@ -46,6 +47,7 @@ class Parsed:
     logprobs: bool
     return_token_ids: bool
     include_usage: bool
+    tools: llm_tools.Tools | None = None  # chat only: the functions offered (tools.py)
 
     def sequences(self, prompt_ids: list[int]) -> list[Sequence_]:
         return [Sequence_(list(prompt_ids), self.params, index=i) for i in range(self.n)]
@@ -69,7 +71,12 @@ def parse(body: Any, kind: str, *, max_tokens_cap: int | None = None) -> Parsed:
                 raise BadRequest(f"messages[{i}] must be an object with a 'role'",
                                  f"messages[{i}]")
             _check_content(m.get("content"), f"messages[{i}].content")
+        try:
+            tools = llm_tools.check(body)
+        except llm_tools.Invalid as exc:
+            raise BadRequest(str(exc), exc.param) from None
     else:
+        tools = None
         prompt = body.get("prompt")
         if not isinstance(prompt, str) and not (
                 isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
@@ -119,6 +126,7 @@ def parse(body: Any, kind: str, *, max_tokens_cap: int | None = None) -> Parsed:
         n=n, stream=stream, logprobs=logprobs,
         return_token_ids=_boolean(body.get("return_token_ids", False), "return_token_ids"),
         include_usage=bool(options.get("include_usage")),
+        tools=tools,
     )
 
 
@@ -204,14 +212,20 @@ def usage(prompt_ids: list[int], choices: list[Sequence_]) -> dict[str, int]:
 
 
 def response(parsed: Parsed, *, rid: str, model: str, prompt_ids: list[int],
-             choices: list[Sequence_], text_of, created: int | None = None) -> dict[str, Any]:
+             choices: list[Sequence_], text_of, created: int | None = None,
+             outputs: dict[int, llm_tools.Output] | None = None) -> dict[str, Any]:
+    """`outputs`: each chat choice as parsed for tool calls (by index; else its text)."""
     created = created or int(time.time())
     out_choices = []
     for seq in choices:
         if parsed.kind == "chat":
+            out = (outputs or {}).get(seq.index) or llm_tools.Output(
+                seq.text, None, seq.finish_reason)
+            message: dict[str, Any] = {"role": "assistant", "content": out.content}
+            if out.tool_calls:
+                message["tool_calls"] = out.tool_calls
             choice: dict[str, Any] = {
-                "index": seq.index, "message": {"role": "assistant", "content": seq.text},
-                "finish_reason": seq.finish_reason,
+                "index": seq.index, "message": message, "finish_reason": out.finish_reason,
                 "logprobs": _logprobs_chat(seq, text_of) if parsed.logprobs else None,
             }
         else:
@@ -230,13 +244,16 @@ def response(parsed: Parsed, *, rid: str, model: str, prompt_ids: list[int],
 
 def chunk(parsed: Parsed, *, rid: str, model: str, created: int, index: int, text: str | None,
           finish_reason: str | None, role: bool = False, token_ids: list[int] | None = None,
-          logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+          logprobs: dict[str, Any] | None = None,
+          tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     if parsed.kind == "chat":
         delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
+        if tool_calls:  # OpenAI's streamed shape: each call whole, with its index
+            delta["tool_calls"] = [dict(call, index=k) for k, call in enumerate(tool_calls)]
         choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish_reason,
                                   "logprobs": logprobs}
     else:

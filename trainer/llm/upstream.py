@@ -5,7 +5,8 @@ The request goes on as sent, with `logprobs` and vLLM's `return_token_ids: true`
 `stream` off: a streamed call is forwarded whole, then streamed to the client). The answer's
 `prompt_token_ids`, each choice's `token_ids` and its per-token log-probabilities are what the
 span records; an upstream that returns no token ids is an error (502), since a call recorded
-without them cannot be trained on.
+without them cannot be trained on. `tools`, `tool_choice` and tool messages go on as sent, and
+the upstream's `tool_calls` (parsed by it) come back unchanged, streamed too.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import httpx
 
 from trainer.llm.engine import Sequence_
 from trainer.llm.openai_api import BadRequest
+from trainer.llm.tools import Output
 
 
 class Upstream:
@@ -60,7 +62,14 @@ class Upstream:
                              status=502, kind="upstream_error")
         prepared.prompt_ids = [int(t) for t in prompt_ids]
         prepared.model_name = data.get("model") or parsed.model
-        prepared.choices = [self._choice(parsed, c) for c in data.get("choices") or []]
+        choices = data.get("choices") or []
+        prepared.choices = [self._choice(parsed, c) for c in choices]
+        if parsed.kind == "chat":  # the answer as the upstream gave it (its tool calls too)
+            for seq, choice in zip(prepared.choices, choices, strict=True):
+                message = choice.get("message") or {}
+                prepared.outputs[seq.index] = Output(
+                    message.get("content"), message.get("tool_calls") or None,
+                    seq.finish_reason)
         prepared.text_of = _token_texts(data)
 
     @staticmethod
