@@ -327,6 +327,9 @@ LLM_GATEWAY_MAX_SEQUENCES_PER_PROJECT = env_int("LLM_GATEWAY_MAX_SEQUENCES_PER_P
 # LLM_GATEWAY_MAX_BATCH sequences.
 LLM_GATEWAY_BATCH_WINDOW_MS = env_float("LLM_GATEWAY_BATCH_WINDOW_MS", 5.0, minimum=0.0)
 LLM_GATEWAY_MAX_BATCH = env_int("LLM_GATEWAY_MAX_BATCH", 64, minimum=1)
+# Calls the gateway serves at once; each holds a thread and its Postgres connection (README
+# "Deploy": the connection budget). Calls past it wait for a thread.
+LLM_GATEWAY_THREADS = env_int("LLM_GATEWAY_THREADS", 64, minimum=1)
 # How often the gateway looks for newly published versions of the models it serves.
 LLM_GATEWAY_POLL_SECONDS = env_float("LLM_GATEWAY_POLL_SECONDS", 1.0, minimum=0.05)
 # torch's CPU threads in a process that runs the gateway (0: torch's default, one per core).

@@ -43,14 +43,17 @@ from trainer.llm.registry import Registry, Space, UnknownModel
 from trainer.llm.turns import Turns
 
 log = logging.getLogger(__name__)
-DB_THREADS = 64  # each call holds one while it waits for its batch
+# Threads that run calls (each holds one, with its database connection, while it waits for
+# its batch): the gateway's share of Postgres connections (README "Deploy", the budget).
+DB_THREADS = 64
 
 
 class Gateway:
     def __init__(self, *, registry: Registry | None = None, batcher: Batcher | None = None,
                  upstream: Any = None, poll_seconds: float = 1.0,
                  max_body_bytes: int = 4 * 2**20, body_timeout: float = 30.0,
-                 max_tokens: int | None = 4096, max_sequences_per_project: int = 256) -> None:
+                 max_tokens: int | None = 4096, max_sequences_per_project: int = 256,
+                 threads: int = DB_THREADS) -> None:
         self.registry = registry or Registry()
         # Limits a request meets before any work is done for it (README "Model gateway").
         self.max_body_bytes, self.body_timeout = max_body_bytes, body_timeout
@@ -71,8 +74,8 @@ class Gateway:
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
         # Database work runs on these threads (each keeps its connection); `close` closes them.
-        self._threads = DB_THREADS
-        self._db = ThreadPoolExecutor(max_workers=DB_THREADS, thread_name_prefix="llm-gateway")
+        self._threads = threads
+        self._db = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="llm-gateway")
 
     async def _in_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._db, fn, *args)

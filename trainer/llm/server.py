@@ -42,6 +42,7 @@ def build_gateway(*, models: list[str] | None = None, upstream_url: str | None =
         body_timeout=settings.LLM_GATEWAY_BODY_TIMEOUT_SECONDS,
         max_tokens=settings.LLM_GATEWAY_MAX_TOKENS,
         max_sequences_per_project=settings.LLM_GATEWAY_MAX_SEQUENCES_PER_PROJECT,
+        threads=settings.LLM_GATEWAY_THREADS,
     )
     for spec in [*settings.LLM_GATEWAY_MODELS, *(models or [])]:
         name, sep, path = spec.partition("=")
