@@ -16,7 +16,9 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import connection
-from django.db.models import Count, DurationField, ExpressionWrapper, F, Q, Sum
+from django.db.models import Count, DurationField, ExpressionWrapper, F, Q, Sum, TextField
+from django.db.models.fields.json import KeyTextTransform
+from django.db.models.functions import Coalesce
 from django.http import HttpRequest, HttpResponse
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -27,14 +29,18 @@ from prometheus_client import (
     generate_latest,
     multiprocess,
 )
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 from prometheus_client.registry import Collector
 
 from runners.selectors import queue_states
 from store.models import Attempt, ResourceSet, Rollout, Span
-from store.statemachine import QUEUED, ROLLOUT_TERMINAL
+from store.statemachine import ATTEMPT_LIVE, QUEUED, ROLLOUT_TERMINAL, AttemptStatus
 from trainer import selectors as trainer_selectors
-from trainer.models import JobStatus, StepStatus, TrainingJob
+from trainer.models import JobStatus, StepStatus, TrainingJob, TrainingStep
 
 # Rollouts last from milliseconds (a test agent) to an hour (an agent's limit).
 DURATION_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
@@ -78,6 +84,14 @@ def _gauge(name: str, documentation: str, labels: list[str],
     return family
 
 
+def _counter(name: str, documentation: str, labels: list[str],
+             rows: Iterator[tuple[tuple[str, ...], float]]) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, documentation, labels=labels)
+    for label_values, value in rows:
+        family.add_metric(list(label_values), value)
+    return family
+
+
 class StoreCollector(Collector):
     """The store's state, read at scrape time with grouped queries (one row per label set)."""
 
@@ -102,6 +116,52 @@ class StoreCollector(Collector):
         yield from self._training()
         yield from self._spans()
         yield from self._durations()
+        yield from self._finished()
+        yield from self._step_history()
+
+    def _finished(self) -> Iterator[CounterMetricFamily]:
+        """Counters read from the rows (ended rows never change back), so rates come from
+        `rate()` without diffing gauges: finished rollouts by final status, ended attempts by
+        status, and the watchdog's verdicts (kept in the metadata when a late report revived
+        the attempt). They fall only when rows are deleted (a project removed)."""
+        rollouts = (Rollout.objects.filter(status__in=ROLLOUT_TERMINAL)
+                    .values_list("project__name", "mode", "status")
+                    .annotate(n=Count("pk")).order_by())
+        yield _counter("lightning_rollouts_finished", "Rollouts that ended, by project, mode "
+                       "and final status", ["project", "mode", "status"],
+                       (((p, m or "", s), n) for p, m, s, n in rollouts))
+        attempts = (Attempt.objects.exclude(status__in=ATTEMPT_LIVE).values_list("status")
+                    .annotate(n=Count("pk")).order_by())
+        yield _counter("lightning_attempts_ended", "Attempts that ended, by status (retries "
+                       "are attempts past the first: lightning_attempts_retried)", ["status"],
+                       (((s,), n) for s, n in attempts))
+        lost = (AttemptStatus.TIMEOUT, AttemptStatus.UNRESPONSIVE)
+        verdicts = (Attempt.objects
+                    .filter(Q(status__in=lost) | Q(metadata__has_key="store.watchdog_verdict"))
+                    .annotate(verdict=Coalesce(KeyTextTransform("store.watchdog_verdict",
+                                                                "metadata"), F("status"),
+                                               output_field=TextField()))
+                    .values_list("verdict").annotate(n=Count("pk")).order_by())
+        yield _counter("lightning_watchdog_verdicts", "Attempts the watchdog ended, by verdict "
+                       "(timeout, unresponsive), a late report's revival included",
+                       ["verdict"], (((v,), n) for v, n in verdicts))
+
+    def _step_history(self) -> Iterator[HistogramMetricFamily]:
+        """Every finished training step's seconds spent training, by job: the history the
+        last-step gauges above do not keep."""
+        done = (TrainingStep.objects.filter(status=StepStatus.DONE)
+                .values_list("job_id", "timings"))
+        by_job: dict[str, list[float]] = {}
+        for job_id, timings in done.iterator(chunk_size=2000):
+            seconds = (timings or {}).get("train_seconds")
+            if isinstance(seconds, int | float):
+                by_job.setdefault(str(job_id), []).append(float(seconds))
+        family = HistogramMetricFamily("lightning_train_step_seconds", "Finished training "
+                                       "steps: seconds spent training, by job", labels=["job"])
+        for job, values in by_job.items():
+            counts = [(str(float(b)), sum(1 for v in values if v <= b)) for b in DURATION_BUCKETS]
+            family.add_metric([job], counts + [("+Inf", len(values))], sum_value=sum(values))
+        yield family
 
     def _resources_and_workers(self) -> Iterator[GaugeMetricFamily]:
         versions = ResourceSet.objects.values_list("project__name", "resources_id", "version")

@@ -18,10 +18,10 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from lightning_site.gateway_metrics import record_completion
-from store import services
+from store import services, watchdog
 from tests.api.conftest import ROOT, database_url_for_tests
 from tests.celery_fixtures import wait_until
-from tests.conftest import claim, enqueue
+from tests.conftest import backdate, claim, enqueue
 
 pytestmark = pytest.mark.django_db(transaction=True)
 SERVER_PORT = 18410
@@ -119,6 +119,52 @@ def test_the_scrape_has_rollout_duration_and_queue_wait_histograms_and_jobs(clie
     assert value("lightning_rollout_queue_wait_seconds_count", **labels) == 1
     assert value("lightning_rollout_queue_wait_seconds_bucket", le="+Inf", **labels) == 1
     assert ("lightning_jobs", frozenset({("status", "running")})) not in samples
+
+
+def test_the_scrape_counts_finished_rollouts_ended_attempts_verdicts_and_steps(
+        client, settings):
+    """Counters read from the rows (issue 26.6): finished rollouts by final status, ended
+    attempts, the watchdog's verdicts (one revived by a late report still counts), and every
+    finished training step's seconds."""
+    from examples.cipher import job_spec
+    from trainer import services as trainer_services
+    from trainer.models import TrainingStep
+
+    settings.METRICS_TOKEN = "t"
+    project = services.project_create(name="counted")
+    enqueue(project, 4, mode="train", config={"unresponsive_seconds": 10})
+    claimed = [claim(project) for _ in range(4)]
+    for (rollout, attempt), status in zip(claimed[:2], ("succeeded", "failed"), strict=True):
+        services.attempt_finish(project=project, rollout_id=rollout.pk,
+                                attempt_id=attempt.attempt_id, status=status)
+    for _, attempt in claimed[2:]:
+        backdate(attempt, 11)
+    assert len(watchdog.sweep().unresponsive) == 2
+    revived, attempt = claimed[3]
+    services.attempt_update(project=project, rollout_id=revived.pk,
+                            attempt_id=attempt.attempt_id, status="running")
+    spec = job_spec(seed=0, steps=1)
+    job = trainer_services.job_create(
+        project=project, agent=spec["agent"], algorithm="grpo", config=spec["config"],
+        train_dataset=spec["train_dataset"], val_dataset=spec["val_dataset"][:2])
+    for n, seconds in enumerate((0.4, 7.0)):
+        TrainingStep.objects.create(job=job, n=n, status="done", resources_version=1,
+                                    timings={"train_seconds": seconds})
+    samples = _samples(client.get("/metrics", headers={"Authorization": "Bearer t"}).text)
+
+    def value(name: str, **labels: str) -> float:
+        return samples.get((name, frozenset(labels.items())), 0.0)
+
+    finished = {"project": "counted", "mode": "train"}
+    assert value("lightning_rollouts_finished_total", status="succeeded", **finished) == 1
+    assert value("lightning_rollouts_finished_total", status="failed", **finished) == 3  # the revived one too (a terminal rollout stays)
+    assert [value("lightning_attempts_ended_total", status=s)
+            for s in ("succeeded", "failed", "unresponsive", "running")] == [1, 1, 1, 0]
+    assert value("lightning_watchdog_verdicts_total", verdict="unresponsive") == 2
+    job_label = {"job": str(job.pk)}
+    assert value("lightning_train_step_seconds_count", **job_label) == 2
+    assert value("lightning_train_step_seconds_bucket", le="0.5", **job_label) == 1
+    assert value("lightning_train_step_seconds_sum", **job_label) == pytest.approx(7.4)
 
 
 def test_gateway_completions_count_tokens_and_latency():
