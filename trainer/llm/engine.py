@@ -2,11 +2,14 @@
 
 An `Engine` holds a Hugging Face causal LM and its tokenizer, loaded from a checkpoint
 directory (safetensors weights, config, tokenizer files) with `AutoModelForCausalLM` /
-`AutoTokenizer`, on CUDA when the process has it. `generate` decodes a batch of sequences of
-different prompts and sampling settings in one forward pass per token (left padding, a KV
-cache), and reports each generated token to its sequence as it comes (streaming), with its
-log-probability under the model (temperature 1, before any sampling transform: what the
-trainer recomputes) and the top alternatives when asked.
+`AutoTokenizer` (or anything models.resolve takes: a known name, a GGUF file; or a LoRA
+checkpoint: its base with the adapter merged in, lora.py), on CUDA when the process has it.
+`generate` decodes a batch of sequences of different prompts and sampling settings in one
+forward pass per token (left padding, a KV cache), and reports each generated token to its
+sequence as it comes (streaming), with its log-probability under the distribution it was
+sampled from (sampling.py: the request's temperature and top_p, greedy = argmax, computed in
+float32 from the model's logits; `Sequence_.logprobs_of` says so, with the model's dtype,
+bfloat16 on CUDA) and the top alternatives under that distribution when asked.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from trainer.llm import sampling
 
 TokenCallback = Callable[["Sequence_", int, float, list[tuple[int, float]]], None]
 
@@ -52,6 +57,8 @@ class Sequence_:
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    # How `logprobs` were computed ("sampled:float32" by the engine; "" = not said: upstream)
+    logprobs_of: str = ""
 
     @property
     def done(self) -> bool:
@@ -61,7 +68,7 @@ class Sequence_:
         """Back to before decoding (the batcher decodes a failed batch's requests again,
         each alone)."""
         for f in fields(self):
-            if f.name in ("prompt_ids", "params", "index", "on_token"):
+            if f.name in ("prompt_ids", "params", "index", "on_token", "logprobs_of"):
                 continue
             setattr(self, f.name, f.default_factory() if f.default_factory is not MISSING
                     else f.default)
@@ -78,12 +85,19 @@ class Engine:
                  device: str | None = None) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from trainer.llm import lora, models
+
         self.path, self.version, self.name = str(path), version, name
         self.device = device or pick_device()
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
-        self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype)
+        if lora.is_adapter(self.path):  # a LoRA checkpoint: its base, adapter merged in
+            self.model, directory = lora.load_for_inference(self.path, dtype=dtype)
+        else:  # a directory, a known name, a GGUF file, a cached id (models.py)
+            directory = models.resolve(self.path)
+            self.model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+        self.tokenizer = AutoTokenizer.from_pretrained(directory)
         self.model.to(self.device).eval()
+        self.dtype_name = str(dtype).removeprefix("torch.")
         config = self.model.config
         self.context = int(getattr(config, "n_positions", None)
                            or getattr(config, "max_position_embeddings", 2048))
@@ -126,6 +140,8 @@ class Engine:
         attention = torch.tensor(mask, device=self.device)
         budget = [min(s.params.max_tokens, self.context - len(s.prompt_ids)) for s in sequences]
         generators = [_generator(s.params.seed, s.index) for s in sequences]
+        for seq in sequences:
+            seq.logprobs_of = f"{sampling.SAMPLED}:{self.dtype_name}"
         past = None
         for _ in range(max(budget)):
             positions = (attention.cumsum(-1) - 1).clamp(min=0)
@@ -135,35 +151,26 @@ class Engine:
                              use_cache=True, **{self._cache_arg: past})
             past = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
             logits = out.logits[:, -1, :].float()
-            logprobs = torch.log_softmax(logits, dim=-1)
-            chosen = [self._choose(s, logits[i], generators[i]) if not s.done else self.pad_id
-                      for i, s in enumerate(sequences)]
+            chosen = [self.pad_id] * len(sequences)
             for i, seq in enumerate(sequences):
                 if not seq.done:
-                    self._advance(seq, chosen[i], logprobs[i], budget[i])
+                    p = seq.params
+                    logprobs = sampling.logprobs(logits[i], p.temperature, p.top_p)
+                    chosen[i] = sampling.choose(logprobs, p.temperature, generators[i])
+                    self._advance(seq, chosen[i], logprobs, budget[i])
             if all(s.done for s in sequences):
                 break
             next_ids = torch.tensor(chosen, device=self.device).unsqueeze(1)
             input_ids = torch.cat([input_ids, next_ids], dim=1)
             attention = torch.cat([attention, torch.ones_like(next_ids)], dim=1)
 
-    def _choose(self, seq: Sequence_, logits: torch.Tensor, generator: torch.Generator) -> int:
-        p = seq.params
-        if p.temperature <= 0:
-            return int(torch.argmax(logits))
-        probs = torch.softmax(logits / p.temperature, dim=-1)
-        if p.top_p < 1.0:
-            ordered, order = torch.sort(probs, descending=True)
-            keep = ordered.cumsum(-1) - ordered < p.top_p
-            probs = torch.zeros_like(probs).scatter(0, order[keep], ordered[keep])
-        return int(torch.multinomial(probs.cpu(), 1, generator=generator))
-
     def _advance(self, seq: Sequence_, token: int, logprobs: torch.Tensor, budget: int) -> None:
         logprob = float(logprobs[token])
         top: list[tuple[int, float]] = []
         if seq.params.top_logprobs:
             values, ids = torch.topk(logprobs, seq.params.top_logprobs)
-            top = [(int(t), float(v)) for t, v in zip(ids.tolist(), values.tolist(), strict=True)]
+            top = [(int(t), max(float(v), -1e9))  # greedy: -inf beyond the argmax
+                   for t, v in zip(ids.tolist(), values.tolist(), strict=True)]
         seq.token_ids.append(token)
         seq.logprobs.append(logprob if math.isfinite(logprob) else -1e9)
         seq.top.append(top)
