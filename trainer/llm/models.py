@@ -146,6 +146,7 @@ def from_gguf(path: Path) -> Path:
         try:
             _convert(path, work)
             (work / MARKER).write_text(json.dumps({"sha256": sha, "source": path.name}))
+            work.chmod(0o755)  # mkdtemp's 0700: a gateway running as another user reads it
             if target.exists():  # a half-written directory of a crashed run
                 shutil.rmtree(target)
             os.replace(work, target)  # another process may have won: either is the same
