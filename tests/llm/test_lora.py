@@ -139,3 +139,38 @@ def test_an_adapter_is_refused_on_another_base(tiny, storage, tmp_path):
     (local / lora.META).write_text(json.dumps({**meta, "base": str(other)}))
     with pytest.raises(lora.BaseMismatch):
         Engine(local, device="cpu")
+
+
+@pytest.mark.slow
+def test_a_lora_job_runs_end_to_end_and_the_gateway_serves_each_adapter(tmp_path, model_dir):
+    """`manage.py train` embedded (SQLite, in-process workers, the gateway over HTTP): every
+    checkpoint is an adapter, and step k's rollouts were served by version k (base + adapter
+    k, hot-reloaded)."""
+    import sqlite3
+    import subprocess
+
+    from django.conf import settings
+
+    from tests.api.conftest import free_port
+    from tests.test_trainer_commands import ROOT, embedded_env, manage
+
+    steps = 3
+    env = {**embedded_env(tmp_path), "LLM_GATEWAY_PORT": str(free_port()),
+           "LIGHTNING_MODELS_DIR": str(settings.MODELS_DIR)}
+    subprocess.run(manage("migrate", "-v0"), env=env, cwd=ROOT, check=True, timeout=300)
+    done = subprocess.run(manage("train", "tests.llm.lora_job", "--steps", str(steps),
+                                 "--quiet"), env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr
+    with sqlite3.connect(tmp_path / "lightning.sqlite3") as db:
+        rows = db.execute("SELECT attributes FROM store_span WHERE name = ?",
+                          ("openai.chat.completion",)).fetchall()
+        llm = [json.loads(r)["llm"] for (r,) in db.execute(
+            "SELECT resources FROM store_resourceversion ORDER BY version")]
+    attributes = [json.loads(a) for (a,) in rows]
+    assert {a[c.LLM_VERSION] for a in attributes} == set(range(steps + 1))
+    assert {a[c.LLM_LOGPROBS_OF] for a in attributes} == {"sampled:float32"}
+    assert llm[-1]["version"] == steps
+    for resource in llm:
+        files = set(resource["checkpoint"]["files"])
+        assert "adapter_model.safetensors" in files and "model.safetensors" not in files
