@@ -52,6 +52,14 @@ def rollouts(engine, n=6):
     return out
 
 
+def logits(engine, ids):
+    """The engine's logits for `ids` (an adapter engine: its own adapter on the shared base)."""
+    with torch.no_grad():
+        if engine.shared is None:
+            return engine.model(ids).logits
+        return engine.model(ids, adapter_names=[engine.adapter] * len(ids)).logits
+
+
 def tensors(directory):
     return load_file(str(directory / "adapter_model.safetensors"))
 
@@ -79,8 +87,7 @@ def test_lora_step_trains_the_adapter_only_and_resumes_bitwise(tiny, storage, tm
     engine0 = Engine(checkpoints.checkpoint_local_dir(step0), device="cpu")
     base = Engine(tiny, device="cpu")
     ids = torch.tensor([base.tokenizer("abc 12")["input_ids"]])
-    with torch.no_grad():
-        assert torch.equal(engine0.model(ids).logits, base.model(ids).logits)
+    assert torch.equal(logits(engine0, ids), logits(base, ids))
 
     samples = algorithm.samples(rollouts(engine0))
     state0 = algorithm.load(step0)
@@ -114,15 +121,19 @@ def test_lora_step_trains_the_adapter_only_and_resumes_bitwise(tiny, storage, tm
     registry = Registry()
     served = registry.for_resource(llm, project_id=1, resources_id="res")
     assert served.version == 1
-    with torch.no_grad():
-        assert not torch.allclose(served.model(ids).logits, base.model(ids).logits)
-        # what the trainer computes with the adapter on the base
-        from peft import PeftModel
-        from transformers import AutoModelForCausalLM
+    assert served.shared is engine0.shared  # one copy of the base for both versions
+    assert not torch.allclose(logits(served, ids), logits(base, ids))
+    # what the trainer computes with the adapter on the base; the same merged
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
 
-        ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny),
-                                        str(local1)).eval()
-        assert torch.allclose(served.model(ids).logits, ref(ids).logits, atol=1e-5)
+    ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny),
+                                    str(local1)).eval()
+    with torch.no_grad():
+        assert torch.allclose(logits(served, ids), ref(ids).logits, atol=1e-5)
+    merged = Engine(local1, device="cpu", share_base=False)
+    assert merged.shared is None
+    assert torch.allclose(logits(served, ids), logits(merged, ids), atol=1e-5)
 
 
 @pytest.mark.django_db
@@ -174,3 +185,54 @@ def test_a_lora_job_runs_end_to_end_and_the_gateway_serves_each_adapter(tmp_path
     for resource in llm:
         files = set(resource["checkpoint"]["files"])
         assert "adapter_model.safetensors" in files and "model.safetensors" not in files
+
+
+def adapter(tiny, out, seed):
+    """A LoRA checkpoint on `tiny` with random (non-zero) weights."""
+    from trainer.llm import models
+
+    base, _, sha = lora.load_base(str(tiny))
+    torch.manual_seed(seed)
+    model = lora.new_adapter(base, lora.settings(LORA))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.5)
+    lora.save_adapter(model, out, base=str(tiny), sha=models.base_sha256(tiny))
+    return out
+
+
+def test_adapters_of_one_base_share_it_and_decode_in_one_batch(tiny, tmp_path):
+    import gc
+
+    from trainer.llm.batcher import Batcher
+
+    one, two, three = (Engine(adapter(tiny, tmp_path / f"a{i}", i), device="cpu")
+                       for i in range(3))
+    assert one.shared is two.shared is three.shared and one.adapter != two.adapter
+    assert one.batch_key == two.batch_key
+    prompt = one.tokenizer("abc 12")["input_ids"]
+
+    def greedy(n=3):
+        return [Sequence_(list(prompt), Params(max_tokens=6, temperature=0.0, ignore_eos=True))
+                for _ in range(n)]
+
+    alone = {}
+    for engine in (one, two, three):
+        seqs = greedy(1)
+        engine.generate(seqs)
+        alone[engine.adapter] = seqs[0].token_ids
+    assert len({tuple(v) for v in alone.values()}) == 3  # three different policies
+    batcher = Batcher(window=0.5)
+    jobs = [(engine, batcher.submit(engine, greedy(), tenant=i))
+            for i, engine in enumerate((one, two, three))]
+    for engine, job in jobs:
+        assert job.done.wait(30) and job.error is None
+        assert [s.token_ids for s in job.sequences] == [alone[engine.adapter]] * 3
+    assert batcher.batches == 1 and batcher.largest == 9  # one mixed-adapter batch
+    # a dropped version's adapter leaves the base at the next load
+    shared, gone = two.shared, two.adapter
+    del two, jobs, job, engine
+    batcher.run(one, greedy(1))  # the batcher's thread forgets the last batch's engines
+    gc.collect()
+    four = Engine(adapter(tiny, tmp_path / "a4", 4), device="cpu")
+    assert gone not in shared.adapters() and four.adapter in shared.adapters()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import inspect
 import math
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
@@ -82,7 +83,7 @@ class Engine:
     """A model and tokenizer from one checkpoint directory (`version` says which)."""
 
     def __init__(self, path: str | Path, *, version: int = 0, name: str = "model",
-                 device: str | None = None) -> None:
+                 device: str | None = None, share_base: bool = True) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from trainer.llm import lora, models
@@ -90,13 +91,28 @@ class Engine:
         self.path, self.version, self.name = str(path), version, name
         self.device = device or pick_device()
         dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
-        if lora.is_adapter(self.path):  # a LoRA checkpoint: its base, adapter merged in
-            self.model, directory = lora.load_for_inference(self.path, dtype=dtype)
-        else:  # a directory, a known name, a GGUF file, a cached id (models.py)
-            directory = models.resolve(self.path)
-            self.model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
-        self.tokenizer = AutoTokenizer.from_pretrained(directory)
-        self.model.to(self.device).eval()
+        # One decode at a time per engine (or per shared base): torch on a CPU is already
+        # parallel inside.
+        self.lock = threading.Lock()
+        self.shared, self.adapter = None, None
+        if lora.is_adapter(self.path) and share_base:  # an adapter on its process-wide base
+            from trainer.llm import adapters
+
+            self.shared, self.adapter = adapters.attach(self.path, dtype=dtype,
+                                                        device=self.device)
+            self.model, self.tokenizer, self.lock = (self.shared.model, self.shared.tokenizer,
+                                                     self.shared.lock)
+            weakref.finalize(self, self.shared.drop, self.adapter)
+        else:
+            if lora.is_adapter(self.path):  # a base of its own, the adapter merged in
+                self.model, directory = lora.load_for_inference(self.path, dtype=dtype)
+            else:  # a directory, a known name, a GGUF file, a cached id (models.py)
+                directory = models.resolve(self.path)
+                self.model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+            self.tokenizer = AutoTokenizer.from_pretrained(directory)
+            self.model.to(self.device).eval()
+        # Requests of engines with the same key decode in one batch (batcher.py).
+        self.batch_key = id(self.shared) if self.shared is not None else id(self)
         self.dtype_name = str(dtype).removeprefix("torch.")
         config = self.model.config
         self.context = int(getattr(config, "n_positions", None)
@@ -105,10 +121,9 @@ class Engine:
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.eos_ids[0] if self.eos_ids else 0
-        # One decode at a time per engine: torch on a CPU is already parallel inside.
-        self.lock = threading.Lock()
         # transformers 5.24 renamed `past_key_values` to `cache` (the old name warns).
-        params = inspect.signature(self.model.forward).parameters
+        inner = self.shared.base_model if self.shared is not None else self.model
+        params = inspect.signature(inner.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
 
     def check_prompt(self, prompt_ids: Sequence[int]) -> None:
@@ -124,14 +139,21 @@ class Engine:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     @torch.inference_mode()
-    def generate(self, sequences: list[Sequence_]) -> None:
-        """Decode every sequence to its end (EOS, a stop string, max_tokens or the context)."""
+    def generate(self, sequences: list[Sequence_], adapters: list[str | None] | None = None,
+                 ) -> None:
+        """Decode every sequence to its end (EOS, a stop string, max_tokens or the context).
+        `adapters`: each sequence's adapter on this engine's shared base (the batcher's
+        mixed-adapter batches; default: this engine's)."""
         for seq in sequences:
             self.check_prompt(seq.prompt_ids)
+        extra = {}
+        if self.shared is not None:
+            names = adapters if adapters is not None else [self.adapter] * len(sequences)
+            extra["adapter_names"] = [n or "__base__" for n in names]
         with self.lock:
-            self._generate(sequences)
+            self._generate(sequences, extra)
 
-    def _generate(self, sequences: list[Sequence_]) -> None:
+    def _generate(self, sequences: list[Sequence_], extra: dict[str, Any]) -> None:
         width = max(len(s.prompt_ids) for s in sequences)
         rows = [[self.pad_id] * (width - len(s.prompt_ids)) + list(s.prompt_ids)
                 for s in sequences]
@@ -148,7 +170,7 @@ class Engine:
             step_ids = input_ids if past is None else input_ids[:, -1:]
             step_pos = positions if past is None else positions[:, -1:]
             out = self.model(input_ids=step_ids, attention_mask=attention, position_ids=step_pos,
-                             use_cache=True, **{self._cache_arg: past})
+                             use_cache=True, **{self._cache_arg: past}, **extra)
             past = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
             logits = out.logits[:, -1, :].float()
             chosen = [self.pad_id] * len(sequences)
