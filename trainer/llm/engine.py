@@ -83,7 +83,7 @@ class Engine:
     """A model and tokenizer from one checkpoint directory (`version` says which)."""
 
     def __init__(self, path: str | Path, *, version: int = 0, name: str = "model",
-                 device: str | None = None, share_base: bool = True) -> None:
+                 device: str | None = None, share_base: bool = False) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from trainer.llm import lora, models

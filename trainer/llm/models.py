@@ -59,8 +59,9 @@ def cache_dir() -> Path:
             from django.conf import settings
 
             root = str(settings.MODELS_DIR)
-        except Exception:  # no Django settings in this process
-            root = "data/models"
+        except Exception:  # no Django settings in this process: their default
+            data = os.environ.get("LIGHTNING_DATA_DIR") or Path(__file__).parents[2] / "var"
+            root = str(Path(data) / "models")
     return Path(root) / "pretrained"
 
 
