@@ -71,7 +71,8 @@ class GRPOLM(Algorithm):
         super().__init__({**DEFAULTS, **config})
         if not self.config.get("model"):
             raise ValueError("grpo_lm needs config['model']: a checkpoint directory in Hugging "
-                             "Face format (or a model id in the local Hugging Face cache)")
+                             "Face format, a model id in the local Hugging Face cache, a GGUF "
+                             "file or an installed name such as smollm2")
         self.token_adapter = TokenAdapter(aggregation=self.config.get("aggregation",
                                                                       "transition"))
         self.lora = (lora_.settings(self.config["lora"])
