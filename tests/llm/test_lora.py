@@ -237,3 +237,38 @@ def test_adapters_of_one_base_share_it_and_decode_in_one_batch(tiny, tmp_path):
     gc.collect()
     four = Engine(adapter(tiny, tmp_path / "a4", 4), device="cpu", share_base=True)
     assert gone not in shared.adapters() and four.adapter in shared.adapters()
+
+
+def test_loading_adapters_does_not_disturb_calls_in_flight(tiny, tmp_path):
+    """New versions load onto the shared base while another thread decodes on it: every call
+    finishes, with the tokens its adapter gives alone."""
+    import threading
+
+    one = Engine(adapter(tiny, tmp_path / "a0", 0), device="cpu", share_base=True)
+    prompt = one.tokenizer("abc 12")["input_ids"]
+
+    def greedy():
+        seqs = [Sequence_(list(prompt), Params(max_tokens=6, temperature=0.0, ignore_eos=True))]
+        one.generate(seqs)
+        return seqs[0].token_ids
+
+    expected, results, errors = greedy(), [], []
+    stop = threading.Event()
+
+    def caller():
+        while not stop.is_set():
+            try:
+                results.append(greedy())
+            except Exception as exc:  # noqa: BLE001 - the test reports any
+                errors.append(exc)
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    try:
+        loaded = [Engine(adapter(tiny, tmp_path / f"n{i}", 10 + i), device="cpu",
+                         share_base=True) for i in range(4)]
+    finally:
+        stop.set()
+        thread.join(30)
+    assert not errors and results and all(r == expected for r in results)
+    assert all(e.shared is one.shared for e in loaded)
