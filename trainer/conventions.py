@@ -28,7 +28,12 @@ LLM_CALL_SPAN = "openai.chat.completion"
 LLM_COMPLETION_SPAN = "openai.completion"
 LLM_PROMPT_IDS = "prompt_token_ids"  # list[int]
 LLM_RESPONSE_IDS = "response_token_ids"  # list[int]
-LLM_LOGPROBS = "lightning.llm.logprobs"  # list[float]: per response token, temperature 1
+LLM_LOGPROBS = "lightning.llm.logprobs"  # list[float]: per response token (LLM_LOGPROBS_OF)
+# How LLM_LOGPROBS were computed: "sampled:<model dtype>" = under the distribution sampled from
+# (trainer/llm/sampling.py, at LLM_TEMPERATURE and LLM_TOP_P); absent = not said (upstream).
+LLM_LOGPROBS_OF = "lightning.llm.logprobs_of"
+LLM_TEMPERATURE = "lightning.llm.temperature"  # float: the temperature sampled at (0 = greedy)
+LLM_TOP_P = "lightning.llm.top_p"  # float
 LLM_VERSION = "lightning.llm.version"  # int: the checkpoint version that generated it
 # str: sha256 of the request body, which binds an idempotency key to it (trainer/llm/calls.py)
 LLM_REQUEST_SHA256 = "lightning.llm.request_sha256"

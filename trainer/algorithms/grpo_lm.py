@@ -9,10 +9,22 @@ tokens, plus `kl_coef` times a KL estimate to the initial model when set; micro-
 `micro_batch` samples accumulate gradients into one optimizer step per epoch. On CUDA when the
 training worker has it.
 
+`model` is anything trainer/llm/models.py resolves: a Hugging Face directory, a known name
+(`smollm2`), a GGUF file, a model id in the local Hugging Face cache. With `lora: {r, alpha,
+dropout, target_modules}` (trainer/llm/lora.py) a step trains a LoRA adapter only, and a
+checkpoint is the adapter (+ optimizer state, + the base model's sha256: it loads onto no other
+base); without it every weight is trained.
+
+The PPO ratio compares log-probabilities of the distribution the gateway sampled from
+(trainer/llm/sampling.py: the call's temperature and top_p, greedy = argmax) in float32: the
+recorded ones where the span says the engine computed them so ("sampled:float32"), else (an
+upstream server, a bfloat16 engine) they are recomputed with the step's starting weights before
+the first update (metric `recomputed_samples`). So the ratio is 1 at the first epoch.
+
 A checkpoint is a directory (`save_pretrained`: safetensors weights, config, tokenizer, plus
-the optimizer's state) stored through the checkpoint storage; each one is published both as
-the job's `checkpoint` resource and as its `llm` resource (the gateway's endpoint, the model's
-name and the version), which the next step's rollouts pin.
+the optimizer's state; or the LoRA adapter) stored through the checkpoint storage; each one is
+published both as the job's `checkpoint` resource and as its `llm` resource (the gateway's
+endpoint, the model's name and the version), which the next step's rollouts pin.
 """
 
 from __future__ import annotations
@@ -29,6 +41,8 @@ from trainer.algorithms.adapter import FinishedRollout
 from trainer.algorithms.base import Algorithm, PlannedRollout, Update, step_seed
 from trainer.algorithms.grpo import group_advantages, plan_groups
 from trainer.algorithms.token_adapter import TokenAdapter, TokenSample
+from trainer.llm import lora as lora_
+from trainer.llm import models, sampling
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +60,8 @@ DEFAULTS: dict[str, Any] = {
     "sampling_parameters": {"temperature": 1.0, "max_tokens": 16},
 }
 OPTIMIZER_FILE = "optimizer.pt"
+# Recorded logprobs used as they are: the engine's, of the sampled distribution, in float32.
+RECORDED_EXACT = f"{sampling.SAMPLED}:float32"
 
 
 class GRPOLM(Algorithm):
@@ -55,13 +71,30 @@ class GRPOLM(Algorithm):
         super().__init__({**DEFAULTS, **config})
         if not self.config.get("model"):
             raise ValueError("grpo_lm needs config['model']: a checkpoint directory in Hugging "
-                             "Face format (or a model id in the local Hugging Face cache)")
+                             "Face format, a model id in the local Hugging Face cache, a GGUF "
+                             "file or an installed name such as smollm2")
         self.token_adapter = TokenAdapter(aggregation=self.config.get("aggregation",
                                                                       "transition"))
+        self.lora = (lora_.settings(self.config["lora"])
+                     if self.config.get("lora") is not None else None)
+
+    @property
+    def base(self) -> str:
+        """The job's `model` as a LoRA adapter records it (a path made absolute)."""
+        model = str(self.config["model"])
+        return str(Path(model).resolve()) if Path(model).exists() else model
 
     # --- checkpoints: directories, not torch.save payloads ------------------------------------
     def init_state(self) -> dict[str, Any]:
-        return {"dir": str(self.config["model"]), "owned": False}
+        if self.lora is None:
+            return {"dir": str(models.resolve(self.config["model"])), "owned": False}
+        import torch
+
+        base, _, sha = lora_.load_base(self.base)
+        torch.manual_seed(step_seed(self.seed, 0))
+        out = Path(tempfile.mkdtemp(prefix="grpo_lm-lora-"))
+        lora_.save_adapter(lora_.new_adapter(base, self.lora), out, base=self.base, sha=sha)
+        return {"dir": str(out), "owned": True}
 
     def save(self, state: dict[str, Any], *, name_prefix: str, step: int,
              metrics: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -109,18 +142,30 @@ class GRPOLM(Algorithm):
 
         quiet_transformers()
         torch.manual_seed(step_seed(self.seed, step))
-        model = AutoModelForCausalLM.from_pretrained(state["dir"], dtype=torch.float32)
+        if self.lora is None:
+            model = AutoModelForCausalLM.from_pretrained(state["dir"], dtype=torch.float32)
+        else:
+            base, _, sha = lora_.load_base(self.base)
+            lora_.check_base(state["dir"], sha, self.base)
+            model = lora_.load_adapter(base, state["dir"], trainable=True)
         model.to(device)
-        # No dropout: the ratio must compare the same function the gateway sampled from.
+        # No dropout: the ratio must compare the same function the gateway sampled from (a
+        # LoRA `dropout` > 0 is the exception, on the adapter's input only).
         model.eval()
-        optimizer = torch.optim.Adam(model.parameters(), lr=float(self.config["lr"]))
+        for name, module in model.named_modules():
+            if name.split(".")[-1] == "lora_dropout":
+                module.train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.Adam(params, lr=float(self.config["lr"]))
         saved = Path(state["dir"]) / OPTIMIZER_FILE
         if saved.exists():
             optimizer.load_state_dict(torch.load(saved, map_location=device, weights_only=True))
         reference = None
-        if float(self.config["kl_coef"]) > 0:
-            reference = AutoModelForCausalLM.from_pretrained(str(self.config["model"]))
+        if float(self.config["kl_coef"]) > 0 and self.lora is None:
+            reference = AutoModelForCausalLM.from_pretrained(models.resolve(self.base))
             reference.to(device).eval()
+        elif float(self.config["kl_coef"]) > 0:
+            reference = model  # the base: the same model with its adapter disabled
         advantages = group_advantages(samples)
         trained = [s for s in samples if s.rollout_id in advantages]
         metrics: dict[str, Any] = {"samples": len(samples), "trained_samples": len(trained),
@@ -128,25 +173,34 @@ class GRPOLM(Algorithm):
         stale = [s for s in samples if s.version is not None and s.version != step]
         if stale:
             metrics["off_policy_samples"] = len(stale)
+        size = int(self.config["micro_batch"])
+        batches = [_tensors(trained[i:i + size], advantages, device)
+                   for i in range(0, len(trained), size)]
+        recomputed = sum(_fill_old(model, batch) for batch in batches)
+        if recomputed:
+            metrics["recomputed_samples"] = recomputed
         for _ in range(int(self.config["epochs"]) if trained else 0):
-            metrics.update(self._epoch(model, reference, optimizer, trained, advantages, device))
+            metrics.update(self._epoch(model, reference, optimizer, params, batches))
         out = Path(tempfile.mkdtemp(prefix="grpo_lm-"))
-        model.save_pretrained(out)
-        AutoTokenizer.from_pretrained(state["dir"]).save_pretrained(out)
+        if self.lora is None:
+            model.save_pretrained(out)
+            AutoTokenizer.from_pretrained(state["dir"]).save_pretrained(out)
+        else:
+            lora_.save_adapter(model, out, base=self.base, sha=sha)
         torch.save(optimizer.state_dict(), out / OPTIMIZER_FILE)
         return Update(state={"dir": str(out), "owned": True}, metrics=metrics)
 
-    def _epoch(self, model: Any, reference: Any, optimizer: Any, samples: list[TokenSample],
-               advantages: dict[str, float], device: str) -> dict[str, float]:
+    def _epoch(self, model: Any, reference: Any, optimizer: Any, params: list[Any],
+               batches: list[dict[str, Any]]) -> dict[str, float]:
+        import contextlib
+
         import torch
 
         clip, kl_coef = float(self.config["clip"]), float(self.config["kl_coef"])
-        total_tokens = sum(s.generated for s in samples)
-        size = int(self.config["micro_batch"])
+        total_tokens = float(sum(float(b["mask"].sum()) for b in batches))
         optimizer.zero_grad()
         sums = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "ratio": 0.0}
-        for start in range(0, len(samples), size):
-            batch = _tensors(samples[start:start + size], advantages, device)
+        for batch in batches:
             new = _token_logprobs(model, batch)
             mask = batch["mask"]
             ratio = torch.exp(new - batch["old"])
@@ -154,18 +208,21 @@ class GRPOLM(Algorithm):
             surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - clip, 1 + clip) * adv)
             per_token = -surrogate
             if reference is not None:
-                with torch.no_grad():
+                base_only = (reference.disable_adapter() if reference is model
+                             else contextlib.nullcontext())
+                with torch.no_grad(), base_only:
                     ref = _token_logprobs(reference, batch)
                 # k3 estimator of KL(pi || pi_ref): non-negative, unbiased.
                 kl = torch.exp(ref - new) - (ref - new) - 1
                 per_token = per_token + kl_coef * kl
                 sums["kl"] += float((kl * mask).sum().detach())
             loss = (per_token * mask).sum() / total_tokens
-            loss.backward()
+            if loss.requires_grad:  # greedy samples alone carry no gradient (sampling.py)
+                loss.backward()
             sums["loss"] += float(loss.detach())
             sums["clip_fraction"] += float((((ratio - 1).abs() > clip).float() * mask).sum())
             sums["ratio"] += float((ratio.detach() * mask).sum())
-        torch.nn.utils.clip_grad_norm_(model.parameters(), float(self.config["max_grad_norm"]))
+        torch.nn.utils.clip_grad_norm_(params, float(self.config["max_grad_norm"]))
         optimizer.step()
         return {"loss": sums["loss"], "clip_fraction": sums["clip_fraction"] / total_tokens,
                 "mean_ratio": sums["ratio"] / total_tokens,
@@ -174,7 +231,8 @@ class GRPOLM(Algorithm):
 
 def _tensors(samples: list[TokenSample], advantages: dict[str, float],
              device: str) -> dict[str, Any]:
-    """Right-padded ids, attention and loss masks, recorded logprobs, advantages."""
+    """Right-padded ids, attention and loss masks, recorded logprobs, advantages, and each
+    row's sampling settings (which rows' logprobs to recompute: `recompute`)."""
     import torch
 
     width = max(len(s.input_ids) for s in samples)
@@ -190,14 +248,29 @@ def _tensors(samples: list[TokenSample], advantages: dict[str, float],
                              device=device),
         "old": torch.tensor(pad([s.old_logprobs for s in samples], 0.0), device=device),
         "advantage": torch.tensor([advantages[s.rollout_id] for s in samples], device=device),
+        "sampling": [(s.temperature, s.top_p) for s in samples],
+        "recompute": [s.logprobs_of != RECORDED_EXACT for s in samples],
     }
+
+
+def _fill_old(model: Any, batch: dict[str, Any]) -> int:
+    """Recompute the `old` logprobs of the rows whose recorded ones are not exact (see the
+    module docstring) with the weights before the first update; returns how many rows."""
+    import torch
+
+    rows = [i for i, redo in enumerate(batch["recompute"]) if redo]
+    if rows:
+        with torch.no_grad():
+            batch["old"][rows] = _token_logprobs(model, batch)[rows] * batch["mask"][rows]
+    return len(rows)
 
 
 def _token_logprobs(model: Any, batch: dict[str, Any]) -> Any:
     """log pi(token_t | tokens_<t) at every position (0 at the first, which has no context)."""
     import torch
 
-    logits = model(input_ids=batch["ids"], attention_mask=batch["attention"]).logits.float()
-    logp = torch.log_softmax(logits[:, :-1], dim=-1)
-    taken = logp.gather(2, batch["ids"][:, 1:].unsqueeze(2)).squeeze(2)
+    logits = model(input_ids=batch["ids"], attention_mask=batch["attention"]).logits
+    logp = torch.stack([sampling.logprobs(logits[i, :-1], temperature, top_p)
+                        for i, (temperature, top_p) in enumerate(batch["sampling"])])
+    taken = logp.gather(2, batch["ids"][:, 1:].unsqueeze(2)).squeeze(2).clamp(min=-1e9)
     return torch.cat([torch.zeros_like(taken[:, :1]), taken], dim=1)

@@ -29,6 +29,11 @@ class TokenSample:
     old_logprobs: list[float]  # per input token; 0.0 where mask is 0
     reward: float
     version: int | None = None
+    # The distribution the tokens were sampled from (trainer/llm/sampling.py) and how the
+    # recorded logprobs were computed (conventions.LLM_LOGPROBS_OF; "" = not said).
+    temperature: float = 1.0
+    top_p: float = 1.0
+    logprobs_of: str = ""
 
     @property
     def generated(self) -> int:
@@ -74,6 +79,10 @@ class TokenAdapter:
             mask=[0] * len(prompt) + [1] * len(response),
             old_logprobs=[0.0] * len(prompt) + logprobs, reward=reward,
             version=attributes.get(c.LLM_VERSION),
+            temperature=float(_first(attributes, c.LLM_TEMPERATURE, "gen_ai.request.temperature",
+                                     default=1.0)),
+            top_p=float(_first(attributes, c.LLM_TOP_P, "gen_ai.request.top_p", default=1.0)),
+            logprobs_of=str(attributes.get(c.LLM_LOGPROBS_OF) or ""),
         )
 
     @staticmethod
@@ -90,4 +99,15 @@ class TokenAdapter:
             logprobs += turn.old_logprobs[-extra:] if extra else []
         first = turns[0]
         return [TokenSample(first.rollout_id, first.group, ids, mask, logprobs, first.reward,
-                            turns[-1].version)]
+                            turns[-1].version, first.temperature, first.top_p,
+                            first.logprobs_of if all(t.logprobs_of == first.logprobs_of and
+                                                     t.temperature == first.temperature and
+                                                     t.top_p == first.top_p for t in turns)
+                            else "")]
+
+
+def _first(attributes: dict[str, Any], *names: str, default: Any) -> Any:
+    for name in names:
+        if attributes.get(name) is not None:
+            return attributes[name]
+    return default

@@ -5,8 +5,9 @@ takes whatever arrived within `window` seconds of the first waiting request and 
 batch of up to `max_batch` sequences **round-robin over tenants** (one request of each tenant in
 turn, each tenant's oldest first), so a tenant with hundreds of requests queued does not push
 another's single request out of the next batch; what does not fit waits, ahead of newer
-requests of its tenant. The batch is grouped by engine (checkpoint version) and each group
-decoded in one batch. Requests that arrive while a batch decodes wait for the next one.
+requests of its tenant. The batch is grouped by engine (checkpoint version; LoRA versions of
+one base together, adapters.py) and each group decoded in one batch. Requests that arrive
+while a batch decodes wait for the next one.
 """
 
 from __future__ import annotations
@@ -71,9 +72,10 @@ class Batcher:
                     break
                 self._take(waiting, job)
             jobs = self._compose(waiting)
-            by_engine: dict[int, list[Job]] = {}
+            by_engine: dict[int, list[Job]] = {}  # LoRA adapters of one base: one batch
             for job in jobs:
-                by_engine.setdefault(id(job.engine), []).append(job)
+                by_engine.setdefault(getattr(job.engine, "batch_key", id(job.engine)),
+                                     []).append(job)
             for group in by_engine.values():
                 self._decode(group)
 
@@ -108,7 +110,11 @@ class Batcher:
         self.batches += 1
         self.largest = max(self.largest, len(sequences))
         try:
-            jobs[0].engine.generate(sequences)
+            if len(jobs) > 1 and getattr(jobs[0].engine, "shared", None) is not None:
+                jobs[0].engine.generate(sequences, [job.engine.adapter for job in jobs
+                                                    for _ in job.sequences])
+            else:
+                jobs[0].engine.generate(sequences)
         except BaseException as exc:
             if len(jobs) == 1:
                 log.exception("a request of %d sequences failed", len(sequences))

@@ -2,11 +2,14 @@
 
 An `Engine` holds a Hugging Face causal LM and its tokenizer, loaded from a checkpoint
 directory (safetensors weights, config, tokenizer files) with `AutoModelForCausalLM` /
-`AutoTokenizer`, on CUDA when the process has it. `generate` decodes a batch of sequences of
-different prompts and sampling settings in one forward pass per token (left padding, a KV
-cache), and reports each generated token to its sequence as it comes (streaming), with its
-log-probability under the model (temperature 1, before any sampling transform: what the
-trainer recomputes) and the top alternatives when asked.
+`AutoTokenizer` (or anything models.resolve takes: a known name, a GGUF file; or a LoRA
+checkpoint: its base with the adapter merged in, lora.py), on CUDA when the process has it.
+`generate` decodes a batch of sequences of different prompts and sampling settings in one
+forward pass per token (left padding, a KV cache), and reports each generated token to its
+sequence as it comes (streaming), with its log-probability under the distribution it was
+sampled from (sampling.py: the request's temperature and top_p, greedy = argmax, computed in
+float32 from the model's logits; `Sequence_.logprobs_of` says so, with the model's dtype,
+bfloat16 on CUDA) and the top alternatives under that distribution when asked.
 """
 
 from __future__ import annotations
@@ -14,12 +17,15 @@ from __future__ import annotations
 import inspect
 import math
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from trainer.llm import sampling
 
 TokenCallback = Callable[["Sequence_", int, float, list[tuple[int, float]]], None]
 
@@ -52,6 +58,8 @@ class Sequence_:
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    # How `logprobs` were computed ("sampled:float32" by the engine; "" = not said: upstream)
+    logprobs_of: str = ""
 
     @property
     def done(self) -> bool:
@@ -61,7 +69,7 @@ class Sequence_:
         """Back to before decoding (the batcher decodes a failed batch's requests again,
         each alone)."""
         for f in fields(self):
-            if f.name in ("prompt_ids", "params", "index", "on_token"):
+            if f.name in ("prompt_ids", "params", "index", "on_token", "logprobs_of"):
                 continue
             setattr(self, f.name, f.default_factory() if f.default_factory is not MISSING
                     else f.default)
@@ -75,15 +83,37 @@ class Engine:
     """A model and tokenizer from one checkpoint directory (`version` says which)."""
 
     def __init__(self, path: str | Path, *, version: int = 0, name: str = "model",
-                 device: str | None = None) -> None:
+                 device: str | None = None, share_base: bool = False) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from trainer.llm import lora, models
 
         self.path, self.version, self.name = str(path), version, name
         self.device = device or pick_device()
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
-        self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype)
-        self.model.to(self.device).eval()
+        # One decode at a time per engine (or per shared base): torch on a CPU is already
+        # parallel inside.
+        self.lock = threading.Lock()
+        self.shared, self.adapter = None, None
+        if lora.is_adapter(self.path) and share_base:  # an adapter on its process-wide base
+            from trainer.llm import adapters
+
+            self.shared, self.adapter = adapters.attach(self.path, dtype=dtype,
+                                                        device=self.device)
+            self.model, self.tokenizer, self.lock = (self.shared.model, self.shared.tokenizer,
+                                                     self.shared.lock)
+            weakref.finalize(self, self.shared.drop, self.adapter)
+        else:
+            if lora.is_adapter(self.path):  # a base of its own, the adapter merged in
+                self.model, directory = lora.load_for_inference(self.path, dtype=dtype)
+            else:  # a directory, a known name, a GGUF file, a cached id (models.py)
+                directory = models.resolve(self.path)
+                self.model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+            self.tokenizer = AutoTokenizer.from_pretrained(directory)
+            self.model.to(self.device).eval()
+        # Requests of engines with the same key decode in one batch (batcher.py).
+        self.batch_key = id(self.shared) if self.shared is not None else id(self)
+        self.dtype_name = str(dtype).removeprefix("torch.")
         config = self.model.config
         self.context = int(getattr(config, "n_positions", None)
                            or getattr(config, "max_position_embeddings", 2048))
@@ -91,10 +121,9 @@ class Engine:
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.eos_ids[0] if self.eos_ids else 0
-        # One decode at a time per engine: torch on a CPU is already parallel inside.
-        self.lock = threading.Lock()
         # transformers 5.24 renamed `past_key_values` to `cache` (the old name warns).
-        params = inspect.signature(self.model.forward).parameters
+        inner = self.shared.base_model if self.shared is not None else self.model
+        params = inspect.signature(inner.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
 
     def check_prompt(self, prompt_ids: Sequence[int]) -> None:
@@ -110,14 +139,21 @@ class Engine:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     @torch.inference_mode()
-    def generate(self, sequences: list[Sequence_]) -> None:
-        """Decode every sequence to its end (EOS, a stop string, max_tokens or the context)."""
+    def generate(self, sequences: list[Sequence_], adapters: list[str | None] | None = None,
+                 ) -> None:
+        """Decode every sequence to its end (EOS, a stop string, max_tokens or the context).
+        `adapters`: each sequence's adapter on this engine's shared base (the batcher's
+        mixed-adapter batches; default: this engine's)."""
         for seq in sequences:
             self.check_prompt(seq.prompt_ids)
+        extra = {}
+        if self.shared is not None:
+            names = adapters if adapters is not None else [self.adapter] * len(sequences)
+            extra["adapter_names"] = [n or "__base__" for n in names]
         with self.lock:
-            self._generate(sequences)
+            self._generate(sequences, extra)
 
-    def _generate(self, sequences: list[Sequence_]) -> None:
+    def _generate(self, sequences: list[Sequence_], extra: dict[str, Any]) -> None:
         width = max(len(s.prompt_ids) for s in sequences)
         rows = [[self.pad_id] * (width - len(s.prompt_ids)) + list(s.prompt_ids)
                 for s in sequences]
@@ -126,44 +162,37 @@ class Engine:
         attention = torch.tensor(mask, device=self.device)
         budget = [min(s.params.max_tokens, self.context - len(s.prompt_ids)) for s in sequences]
         generators = [_generator(s.params.seed, s.index) for s in sequences]
+        for seq in sequences:
+            seq.logprobs_of = f"{sampling.SAMPLED}:{self.dtype_name}"
         past = None
         for _ in range(max(budget)):
             positions = (attention.cumsum(-1) - 1).clamp(min=0)
             step_ids = input_ids if past is None else input_ids[:, -1:]
             step_pos = positions if past is None else positions[:, -1:]
             out = self.model(input_ids=step_ids, attention_mask=attention, position_ids=step_pos,
-                             use_cache=True, **{self._cache_arg: past})
+                             use_cache=True, **{self._cache_arg: past}, **extra)
             past = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
             logits = out.logits[:, -1, :].float()
-            logprobs = torch.log_softmax(logits, dim=-1)
-            chosen = [self._choose(s, logits[i], generators[i]) if not s.done else self.pad_id
-                      for i, s in enumerate(sequences)]
+            chosen = [self.pad_id] * len(sequences)
             for i, seq in enumerate(sequences):
                 if not seq.done:
-                    self._advance(seq, chosen[i], logprobs[i], budget[i])
+                    p = seq.params
+                    logprobs = sampling.logprobs(logits[i], p.temperature, p.top_p)
+                    chosen[i] = sampling.choose(logprobs, p.temperature, generators[i])
+                    self._advance(seq, chosen[i], logprobs, budget[i])
             if all(s.done for s in sequences):
                 break
             next_ids = torch.tensor(chosen, device=self.device).unsqueeze(1)
             input_ids = torch.cat([input_ids, next_ids], dim=1)
             attention = torch.cat([attention, torch.ones_like(next_ids)], dim=1)
 
-    def _choose(self, seq: Sequence_, logits: torch.Tensor, generator: torch.Generator) -> int:
-        p = seq.params
-        if p.temperature <= 0:
-            return int(torch.argmax(logits))
-        probs = torch.softmax(logits / p.temperature, dim=-1)
-        if p.top_p < 1.0:
-            ordered, order = torch.sort(probs, descending=True)
-            keep = ordered.cumsum(-1) - ordered < p.top_p
-            probs = torch.zeros_like(probs).scatter(0, order[keep], ordered[keep])
-        return int(torch.multinomial(probs.cpu(), 1, generator=generator))
-
     def _advance(self, seq: Sequence_, token: int, logprobs: torch.Tensor, budget: int) -> None:
         logprob = float(logprobs[token])
         top: list[tuple[int, float]] = []
         if seq.params.top_logprobs:
             values, ids = torch.topk(logprobs, seq.params.top_logprobs)
-            top = [(int(t), float(v)) for t, v in zip(ids.tolist(), values.tolist(), strict=True)]
+            top = [(int(t), max(float(v), -1e9))  # greedy: -inf beyond the argmax
+                   for t, v in zip(ids.tolist(), values.tolist(), strict=True)]
         seq.token_ids.append(token)
         seq.logprobs.append(logprob if math.isfinite(logprob) else -1e9)
         seq.top.append(top)

@@ -59,12 +59,15 @@ class _Model:
 
 class Registry:
     def __init__(self, *, max_versions: int = 2, max_spaces: int = 4,
-                 loader: Callable[[dict[str, Any], str, int], Engine] | None = None) -> None:
+                 loader: Callable[[dict[str, Any], str, int], Engine] | None = None,
+                 share_base: bool = False) -> None:
         self.max_versions = max_versions
         self.max_spaces = max_spaces  # per project
         self._models: dict[Space, _Model] = {}
         self._lock = threading.Lock()
-        self._loader = loader or _load_checkpoint
+        # share_base: LoRA checkpoints as adapters on one copy of their base (adapters.py)
+        self._loader = loader or (lambda checkpoint, name, version: _load_checkpoint(
+            checkpoint, name, version, share_base=share_base))
         self.loads = 0  # versions loaded so far (hot reloads included)
 
     def add_directory(self, name: str, path: str, version: int = 0) -> Engine:
@@ -158,12 +161,13 @@ class Registry:
                      space, space.project_id, self.max_spaces)
 
 
-def _load_checkpoint(checkpoint: dict[str, Any], name: str, version: int) -> Engine:
+def _load_checkpoint(checkpoint: dict[str, Any], name: str, version: int, *,
+                     share_base: bool = False) -> Engine:
     from trainer.checkpoints import CheckpointError, checkpoint_local_dir
 
     local = checkpoint_local_dir(checkpoint)  # a storage that is away raises its own error
     try:
-        return Engine(local, version=version, name=name)
+        return Engine(local, version=version, name=name, share_base=share_base)
     except Exception as exc:  # the files are here and are not a model: that will not change
         raise CheckpointError(f"checkpoint {checkpoint.get('name')!r} is not a model that "
                               f"loads ({type(exc).__name__}: {exc})") from exc

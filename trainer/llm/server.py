@@ -34,7 +34,8 @@ def build_gateway(*, models: list[str] | None = None, upstream_url: str | None =
                             else settings.LLM_GATEWAY_UPSTREAM_KEY)
     gateway = Gateway(
         registry=Registry(max_versions=settings.LLM_GATEWAY_MAX_VERSIONS,
-                          max_spaces=settings.LLM_GATEWAY_MAX_MODELS_PER_PROJECT),
+                          max_spaces=settings.LLM_GATEWAY_MAX_MODELS_PER_PROJECT,
+                          share_base=settings.LLM_GATEWAY_SHARE_BASE),
         batcher=Batcher(window=settings.LLM_GATEWAY_BATCH_WINDOW_MS / 1000,
                         max_batch=settings.LLM_GATEWAY_MAX_BATCH),
         upstream=upstream, poll_seconds=settings.LLM_GATEWAY_POLL_SECONDS,

@@ -1,0 +1,107 @@
+"""The PPO ratio is exactly on-policy before the first update: the engine records each token's
+log-probability under the distribution it sampled from (temperature, top_p, greedy), and
+grpo_lm computes the same from the same weights (a tiny random model, no store needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.llm.tiny import tiny_model
+from trainer import conventions as c
+from trainer.algorithms import grpo_lm
+from trainer.algorithms.adapter import FinishedRollout
+from trainer.algorithms.token_adapter import TokenAdapter
+from trainer.llm import sampling
+from trainer.llm.engine import Engine, Params, Sequence_
+
+SETTINGS = [(0.0, 1.0), (0.7, 1.0), (0.7, 0.9), (1.3, 0.5)]  # (temperature, top_p)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+def generated(engine):
+    """One sequence per setting, decoded in one batch (prompts of different lengths)."""
+    tok = engine.tokenizer
+    seqs = [Sequence_(tok("abc 12" + "d" * i)["input_ids"],
+                      Params(max_tokens=8, temperature=t, top_p=p, seed=5, ignore_eos=True))
+            for i, (t, p) in enumerate(SETTINGS)]
+    engine.generate(seqs)
+    return seqs
+
+
+def samples_of(seqs):
+    """What the gateway records (calls.py) and the adapter makes of it."""
+    out = []
+    for i, seq in enumerate(seqs):
+        span = {"name": c.LLM_CALL_SPAN, "sequence_id": 1, "attributes": {
+            c.LLM_PROMPT_IDS: seq.prompt_ids, c.LLM_RESPONSE_IDS: seq.token_ids,
+            c.LLM_LOGPROBS: seq.logprobs, c.LLM_LOGPROBS_OF: seq.logprobs_of,
+            c.LLM_TEMPERATURE: seq.params.temperature, c.LLM_TOP_P: seq.params.top_p}}
+        reward = {"name": c.REWARD_ANNOTATION_SPAN, "sequence_id": 2,
+                  "attributes": {c.REWARD_VALUE_ATTR.format(index=0): float(i % 2)}}
+        out += TokenAdapter().samples(FinishedRollout(f"r{i}", "train", "succeeded",
+                                                      {"group": "g"}, [span, reward]))
+    return out
+
+
+def ratios(model, samples):
+    batch = grpo_lm._tensors(samples, {s.rollout_id: 1.0 for s in samples}, "cpu")
+    recomputed = grpo_lm._fill_old(model, batch)
+    with torch.no_grad():
+        new = grpo_lm._token_logprobs(model, batch)
+    return torch.exp(new - batch["old"]), batch["mask"].bool(), recomputed
+
+
+def test_recorded_logprobs_give_ratio_one_for_greedy_and_tempered_samples(tiny):
+    engine = Engine(tiny, device="cpu")
+    seqs = generated(engine)
+    assert {s.logprobs_of for s in seqs} == {"sampled:float32"}
+    assert all(len(s.token_ids) == 8 for s in seqs)
+    greedy = seqs[0]
+    assert greedy.logprobs == [0.0] * 8  # the argmax under a point mass
+    samples = samples_of(seqs)
+    assert [(s.temperature, s.top_p) for s in samples] == SETTINGS
+    # the trainer's own float32 model (not the engine's), as grpo_lm.update loads it
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    ratio, mask, recomputed = ratios(model, samples)
+    assert recomputed == 0  # the recorded logprobs were used as they are
+    for row, (temperature, top_p) in enumerate(SETTINGS):
+        dev = (ratio[row][mask[row]] - 1).abs().max().item()
+        assert dev < 1e-4, (temperature, top_p, dev)
+    # What the engine did before: the T=0.7 sample's logprobs at temperature 1 (off-policy).
+    plain = torch.log_softmax(engine.model(torch.tensor([seqs[1].prompt_ids + seqs[1].token_ids]))
+                              .logits[0].float(), -1)
+    at_t1 = plain[len(seqs[1].prompt_ids) - 1:-1].gather(
+        1, torch.tensor(seqs[1].token_ids).unsqueeze(1)).squeeze(1)
+    assert (at_t1 - torch.tensor(seqs[1].logprobs)).abs().max() > 1e-3
+
+
+def test_logprobs_not_recorded_exactly_are_recomputed(tiny):
+    engine = Engine(tiny, device="cpu")
+    samples = samples_of(generated(engine))
+    for s in samples:  # as an upstream server records them: not said how
+        s.logprobs_of = ""
+        s.old_logprobs = [x - 0.3 if m else 0.0 for x, m in zip(s.old_logprobs, s.mask,
+                                                                  strict=True)]
+    ratio, mask, recomputed = ratios(engine.model, samples)
+    assert recomputed == len(SETTINGS)
+    assert (ratio[mask] - 1).abs().max().item() < 1e-4
+
+
+def test_sampling_distribution():
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0])
+    greedy = sampling.logprobs(logits, 0.0)
+    assert greedy[0] == 0 and torch.isinf(greedy[1:]).all()
+    tempered = sampling.logprobs(logits, 0.5)
+    assert torch.allclose(tempered, torch.log_softmax(logits / 0.5, -1))
+    nucleus = sampling.logprobs(logits, 1.0, top_p=0.7)  # p = .61 .22 .14 .03: keeps two
+    assert torch.isinf(nucleus[2:]).all()
+    assert torch.allclose(nucleus[:2].exp().sum(), torch.tensor(1.0))
+    generator = torch.Generator().manual_seed(0)
+    assert {sampling.choose(nucleus, 1.0, generator) for _ in range(50)} == {0, 1}
