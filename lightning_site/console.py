@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import re
+import signal
+import threading
 from collections import Counter
+from collections.abc import Iterator
 from typing import TextIO
 
 from django.core.management.base import OutputWrapper
@@ -63,3 +68,31 @@ def progress_stream(out: OutputWrapper) -> TextIO:
     """The stream under a command's stdout, for tqdm: it redraws its bar with carriage
     returns, and Django's wrapper would end each redraw with a newline."""
     return out._out
+
+
+def command_hint(args: str) -> str:
+    """A command line to print in a hint, as the user runs commands: `./lightning ARGS` from
+    the repository's entry point (it sets LIGHTNING_COMMAND), else `manage.py ARGS`."""
+    return f"`{os.environ.get('LIGHTNING_COMMAND') or 'manage.py'} {args}`"
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl+C would be: a following command pauses its job the same way
+    (a container stopped, a `kill`), then exits 143."""
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """While following a job in this (main) thread, SIGTERM interrupts it as Ctrl+C does."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum, frame) -> None:  # noqa: ANN001 - the signal module's signature
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

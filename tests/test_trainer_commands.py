@@ -118,6 +118,49 @@ def test_ctrl_c_on_embedded_train_pauses_the_job_and_says_how_to_go_on(tmp_path)
 
 
 @pytest.mark.slow
+def test_sigterm_on_embedded_train_pauses_the_job_as_ctrl_c_does(tmp_path):
+    """Finding 7: SIGTERM (a container stopped, a `kill`) left an embedded job `running`."""
+    env = embedded_env(tmp_path)
+    subprocess.run(manage("migrate", "-v0"), env=env, cwd=ROOT, check=True, timeout=300)
+    run = subprocess.Popen(manage("train", "examples.cipher", "--steps", "4", "--quiet"),
+                           env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    try:
+        wait_until(lambda: len(done_steps(tmp_path / "lightning.sqlite3")) >= 1, timeout=240,
+                   message="the embedded run did not finish a step")
+        run.send_signal(signal.SIGTERM)
+        out, err = run.communicate(timeout=180)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 143, err[-3000:]
+    assert "Traceback" not in err
+    assert "job 1 paused; go on with `manage.py train_resume 1`" in err
+    with sqlite3.connect(tmp_path / "lightning.sqlite3") as db:
+        assert db.execute("SELECT status FROM trainer_trainingjob").fetchall() == [("paused",)]
+
+
+def test_no_follow_on_the_embedded_default_is_refused_not_ignored(settings, monkeypatch):
+    """Finding 7: --no-follow was silently ignored on the embedded default."""
+    settings.EMBEDDED_WORKERS = True
+    monkeypatch.setattr(services, "job_start", lambda **kw: pytest.fail("started"))
+    with pytest.raises(CommandError, match="--no-follow needs the distributed mode"):
+        call_command("train", "examples.cipher", "--no-follow", "--steps", "1")
+
+
+def test_hints_name_the_command_the_user_runs(monkeypatch):
+    """Finding 7: hints printed `manage.py` to users of ./lightning."""
+    from lightning_site.console import command_hint
+
+    monkeypatch.delenv("LIGHTNING_COMMAND", raising=False)
+    assert command_hint("train_resume 3") == "`manage.py train_resume 3`"
+    monkeypatch.setenv("LIGHTNING_COMMAND", "./lightning")
+    assert command_hint("train_resume 3") == "`./lightning train_resume 3`"
+    script = (ROOT / "lightning").read_text()
+    assert "LIGHTNING_COMMAND=./lightning exec .venv/bin/python manage.py" in script
+
+
+@pytest.mark.slow
 def test_embedded_baseline_whose_rollouts_all_fail_exits_non_zero_with_the_first_error(tmp_path):
     """Issue 26 finding 2: an evaluation-only job whose rollouts all failed ended `succeeded`,
     rc 0."""

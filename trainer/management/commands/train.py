@@ -20,7 +20,13 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from django.db import connections
 
-from lightning_site.console import progress_stream, quiet_libraries
+from lightning_site.console import (
+    Terminated,
+    command_hint,
+    progress_stream,
+    quiet_libraries,
+    sigterm_as_interrupt,
+)
 from lightning_site.embedded import embedded_gateway, embedded_workers
 from lightning_site.queues import Queue
 from store import services as store_services
@@ -76,13 +82,14 @@ def leftover_notice(job_id: int) -> str | None:
         return None
     ids = ", ".join(str(pk) for pk in others)
     return (f"note: job(s) {ids} were left running by an earlier command and will advance "
-            f"here too; `manage.py train_cancel N` stops one for good")
+            f"here too; {command_hint('train_cancel N')} stops one for good")
 
 
-def interrupted(job_id: int) -> CommandError:
-    """What Ctrl+C ends a following command with: the job is paused, and how to go on."""
-    return CommandError(f"job {job_id} paused; go on with `manage.py train_resume {job_id}`",
-                        returncode=130)
+def interrupted(job_id: int, how: KeyboardInterrupt | None = None) -> CommandError:
+    """What Ctrl+C (130) or SIGTERM (143) ends a following command with: the job is paused,
+    and how to go on."""
+    return CommandError(f"job {job_id} paused; go on with {command_hint(f'train_resume {job_id}')}",
+                        returncode=143 if isinstance(how, Terminated) else 130)
 
 
 def _serves_llm(job_id: int) -> bool:
@@ -134,6 +141,10 @@ class Command(BaseCommand):
 
     def handle(self, *args, **opts) -> None:
         quiet_libraries(opts["verbosity"])
+        if opts["no_follow"] and settings.EMBEDDED_WORKERS:
+            raise CommandError("--no-follow needs the distributed mode (DATABASE_URL and a "
+                               "broker, README 'Distributed'): on the embedded default the "
+                               "workers run inside this command")
         try:
             spec = specs.spec_build(specs.spec_load(opts["target"]), where=opts["target"],
                                     seed=opts["seed"], steps=opts["steps"])
@@ -164,17 +175,19 @@ class Command(BaseCommand):
                 services.job_start(job_id=job.pk)
             except services.JobError as exc:
                 raise CommandError(str(exc)) from None
-            self.stdout.write(f"submitted; follow it with `manage.py train_show {job.pk} --follow`")
+            self.stdout.write("submitted; follow it with "
+                              f"{command_hint(f'train_show {job.pk} --follow')}")
             return
         notice = leftover_notice(job.pk) if settings.EMBEDDED_WORKERS else None
         if notice:
             self.stdout.write(notice)
         started = time.monotonic()
         try:
-            snap = run_followed(job.pk, start=True, quiet=opts["quiet"],
-                                out=progress_stream(self.stdout))
-        except KeyboardInterrupt:
-            raise interrupted(job.pk) from None
+            with sigterm_as_interrupt():
+                snap = run_followed(job.pk, start=True, quiet=opts["quiet"],
+                                    out=progress_stream(self.stdout))
+        except KeyboardInterrupt as how:
+            raise interrupted(job.pk, how) from None
         except services.JobError as exc:  # it could not start: failed, with the reason
             raise CommandError(str(exc)) from None
         self.stdout.write(summary(snap, time.monotonic() - started, config.get("threshold")))

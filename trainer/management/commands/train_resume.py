@@ -8,7 +8,7 @@ import time
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from lightning_site.console import progress_stream, quiet_libraries
+from lightning_site.console import progress_stream, quiet_libraries, sigterm_as_interrupt
 from trainer import services
 from trainer.management.commands.train import (
     interrupted,
@@ -45,10 +45,11 @@ class Command(BaseCommand):
             self.stdout.write(notice)
         started = time.monotonic()
         try:
-            snap = run_followed(job.pk, start=False, reclaim=reclaim, quiet=opts["quiet"],
-                                out=progress_stream(self.stdout))
-        except KeyboardInterrupt:
-            raise interrupted(job.pk) from None
+            with sigterm_as_interrupt():
+                snap = run_followed(job.pk, start=False, reclaim=reclaim, quiet=opts["quiet"],
+                                    out=progress_stream(self.stdout))
+        except KeyboardInterrupt as how:
+            raise interrupted(job.pk, how) from None
         self.stdout.write(summary(snap, time.monotonic() - started,
                                   snap.job.config.get("threshold")))
         if snap.job.status != "succeeded":
