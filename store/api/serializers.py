@@ -295,7 +295,17 @@ class QueryRolloutsIn(_FilteredPageIn):
     sort_by = sort_by_field(selectors.ROLLOUT_FIELDS)
 
 
+@extend_schema_field({
+    "anyOf": [{"type": "integer", "enum": [-1]},
+              {"type": "integer", "minimum": 0, "maximum": BIGINT_MAX}],
+    "default": -1, "description": "-1: no limit; 0: no items (the total only), as AGL's store.",
+})
+class AttemptPageLimitField(PageLimitField):
+    """A page of attempts' `limit`: 0 is an empty page (AGL's store suite), not a 400."""
+
+
 class QueryAttemptsIn(_PageIn):
+    limit = AttemptPageLimitField()
     sort_by = sort_by_field(selectors.ATTEMPT_FIELDS, default="sequence_id")
 
 
