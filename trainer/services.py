@@ -32,7 +32,7 @@ from store.errors import IllegalTransition, InvalidInput
 from store.models import Project
 from store.services import RolloutSpec
 from store.statemachine import ROLLOUT_TERMINAL, RolloutConfig, RolloutStatus
-from trainer import checkpoints, delivery, selectors
+from trainer import checkpoints, delivery, distributed, selectors
 from trainer.algorithms import Algorithm, algorithm_load
 from trainer.lease import lease_kept
 from trainer.models import (
@@ -50,6 +50,8 @@ from trainer.statemachine import step_move
 JOB_DEFAULTS: dict[str, Any] = {
     "steps": 10,
     "seed": 0,
+    # local processes of one train step (DDP; trainer/distributed.py); 1: in the worker itself
+    "world_size": 1,
     # tries of one train step (a worker killed mid-step counts) before the job fails
     "max_step_attempts": 3,
     # a step whose share of failed train rollouts is above this is a failed try: its
@@ -95,9 +97,11 @@ def job_create(
         raise InvalidInput("config.steps", "must be an integer >= 1")
     RolloutConfig.parse(merged["rollout_config"])
     try:
-        algorithm_load(algorithm, merged)
+        built = algorithm_load(algorithm, merged)
     except (ImportError, ValueError, KeyError) as exc:
         raise InvalidInput("algorithm", str(exc)) from None
+    if (why := distributed.world_size_error(merged, built)) is not None:
+        raise InvalidInput("config.world_size", why)
     if not agent or "." not in agent:
         raise InvalidInput("agent", "must be a dotted path")
     return TrainingJob.objects.create(
@@ -340,8 +344,13 @@ def _train(step: TrainingStep) -> TrainResult:
             project=job.project, resources_id=job.resources_id, version=step.resources_version
         )
         state = algorithm.load(checkpoints.find_checkpoint(version.resources))
-        update = algorithm.update(step=step.n, state=state,
-                                  samples=algorithm.samples(rollouts), device=device)
+        samples = algorithm.samples(rollouts)
+        if (world_size := distributed.world_size_of(config)) > 1:
+            update, device = distributed.update(algorithm, step=step.n, state=state,
+                                                samples=samples, world_size=world_size)
+        else:
+            update = algorithm.update(step=step.n, state=state, samples=samples,
+                                      device=device)
         metrics.update(update.metrics)
         if update.state is not None:
             resource = algorithm.save(update.state, name_prefix=f"jobs/{job.pk}",
