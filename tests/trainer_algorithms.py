@@ -27,3 +27,19 @@ class SlowGRPO(GRPO):
     def update(self, **kwargs):
         time.sleep(float(self.config.get("update_seconds", 1.0)))
         return super().update(**kwargs)
+
+
+class RankFailsGRPO(GRPO):
+    """A DDP step whose rank `fail_rank` raises after every rank wrote its pid into
+    `pid_dir` (the others then wait in the gradient all-reduce for it)."""
+
+    def update(self, **kwargs):
+        from trainer import distributed
+
+        rank, size = distributed.world()
+        Path(self.config["pid_dir"], f"rank{rank}").write_text(str(os.getpid()))
+        if rank == int(self.config["fail_rank"]):
+            while len(list(Path(self.config["pid_dir"]).iterdir())) < size:
+                time.sleep(0.05)
+            raise RuntimeError(f"rank {rank} broke on purpose")
+        return super().update(**kwargs)

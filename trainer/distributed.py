@@ -23,11 +23,14 @@ algorithm written for one process runs unchanged there (bit for bit).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import sys
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -118,6 +121,7 @@ def update(algorithm: Algorithm, *, step: int, state: dict[str, Any], samples: l
     rank is joined (or killed) before this returns or raises."""
     import torch
     import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
 
     backend = backend_for(world_size)
     threads = max(1, torch.get_num_threads() // world_size)
@@ -125,12 +129,13 @@ def update(algorithm: Algorithm, *, step: int, state: dict[str, Any], samples: l
         result = Path(tmp) / "rank0.pt"
         args = (world_size, backend, str(Path(tmp) / "rendezvous"), str(result), threads,
                 os.getpid(), algorithm, step, state, samples)
-        context = mp.start_processes(_rank_main, args=args, nprocs=world_size, join=False,
-                                     start_method="spawn")
+        with _children_allowed():
+            context = mp.start_processes(_rank_main, args=args, nprocs=world_size,
+                                         join=False, start_method="spawn")
         try:
             while not context.join(grace_period=5):
                 pass
-        except mp.ProcessException as exc:
+        except ProcessException as exc:
             raise RankFailed(f"rank {exc.error_index} of {world_size} failed: "
                              f"{str(exc).strip()}") from None
         finally:
@@ -141,6 +146,32 @@ def update(algorithm: Algorithm, *, step: int, state: dict[str, Any], samples: l
         update = torch.load(result, weights_only=False)
     device = "cuda" if backend == "nccl" else "cpu"
     return update, f"{device} x{world_size}"
+
+
+_daemon_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _children_allowed() -> Iterator[None]:
+    """A Celery prefork pool process is billiard's: marked daemonic, and multiprocessing
+    refuses to start children from a daemonic process (so that none outlives it), and its
+    authentication key is billiard's type, which multiprocessing's spawn cannot pickle. The
+    ranks cannot outlive it: `update` joins or kills them before it returns, and each dies
+    with its parent (`_die_with_parent`). So, while they start, the mark is lifted and the
+    key (the same bytes) is multiprocessing's own; both are put back after."""
+    from multiprocessing import process
+
+    config = process.current_process()._config
+    with _daemon_lock:
+        saved = dict(config)
+        config.pop("daemon", None)
+        if "authkey" in config:
+            config["authkey"] = process.AuthenticationString(bytes(config["authkey"]))
+        try:
+            yield
+        finally:
+            config.clear()
+            config.update(saved)
 
 
 def _rank_main(rank: int, world_size: int, backend: str, rendezvous: str, result: str,
