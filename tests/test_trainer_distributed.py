@@ -5,7 +5,12 @@ through `manage.py train --world-size 2` (embedded) and real prefork Celery work
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
+import sys
+import threading
+from pathlib import Path
 
 import psutil
 import pytest
@@ -63,6 +68,61 @@ def test_a_rank_that_raises_fails_the_update_with_its_error_and_no_rank_is_left(
     ranks = [p for p in psutil.Process().children(recursive=True)
              if "spawn_main" in " ".join(p.cmdline())]
     assert ranks == []
+
+
+def rank_pids(pid_dir: Path, count: int = 2) -> list[int]:
+    wait_until(lambda: len(list(pid_dir.iterdir())) == count, timeout=120,
+               message="the ranks did not start")
+    return [int((pid_dir / f"rank{rank}").read_text()) for rank in range(count)]
+
+
+@pytest.mark.slow
+def test_a_rank_killed_with_sigkill_fails_the_update_and_stops_the_others(tmp_path):
+    algorithm = RankFailsGRPO({**job_spec(seed=0)["config"], "pid_dir": str(tmp_path),
+                               "fail_rank": 1, "hang": True})
+    state = algorithm.init_state()
+    samples = act_samples(state["model"], tasks=2, group_size=4, seed=1)
+    killer = threading.Thread(target=lambda: os.kill(rank_pids(tmp_path)[1], signal.SIGKILL))
+    killer.start()
+    with pytest.raises(distributed.RankFailed, match="rank 1 of 2 failed: process 1 "
+                                                     "terminated with signal SIGKILL"):
+        distributed.update(algorithm, step=0, state=state, samples=samples, world_size=2)
+    killer.join()
+    assert not [pid for pid in rank_pids(tmp_path) if psutil.pid_exists(pid)]
+
+
+KILLED_WORKER = """
+import sys
+from examples.cipher import job_spec
+from examples.cipher.task import act_samples
+from tests.trainer_algorithms import RankFailsGRPO
+from trainer import distributed
+if __name__ == "__main__":
+    algorithm = RankFailsGRPO({**job_spec(seed=0)["config"], "pid_dir": sys.argv[1],
+                               "fail_rank": 1, "hang": True})
+    state = algorithm.init_state()
+    samples = act_samples(state["model"], tasks=2, group_size=4, seed=1)
+    distributed.update(algorithm, step=0, state=state, samples=samples, world_size=2)
+"""
+
+
+@pytest.mark.slow
+def test_the_ranks_die_with_a_worker_killed_with_sigkill(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(KILLED_WORKER)
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    worker = subprocess.Popen([sys.executable, str(script), str(pid_dir)], cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        pids = rank_pids(pid_dir)
+        worker.kill()
+        worker.wait(timeout=30)
+        wait_until(lambda: not [pid for pid in pids if psutil.pid_exists(pid)
+                                and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE],
+                   timeout=30, message=f"ranks {pids} outlived their worker")
+    finally:
+        worker.kill()
 
 
 @pytest.mark.django_db

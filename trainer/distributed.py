@@ -200,7 +200,8 @@ def _rank_main(rank: int, world_size: int, backend: str, rendezvous: str, result
 
 def _die_with_parent(parent: int) -> None:
     """Linux: this rank gets SIGKILL when the worker that started it dies (kill -9 of the
-    worker leaves no rank behind); elsewhere a no-op."""
+    worker leaves no rank behind); elsewhere a no-op. torch's spawn asks for SIGINT, which
+    a rank blocked in a collective's C++ code does not act on."""
     if not sys.platform.startswith("linux"):
         return
     try:
