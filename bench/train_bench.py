@@ -11,6 +11,15 @@
 Figures: steps/minute, rollouts/s over the whole job, and per step the time spent waiting for
 rollouts (planned -> all terminal) against the time spent in the train step (ready -> done,
 and the pure torch/IO part of it).
+
+    .venv/bin/python bench/train_bench.py --mode world-size [--tasks 8 --group-size 8]
+
+- world-size: one training step's update of the cipher MLP (GRPO, the example's config) on
+  samples its policy acted, at world size 1 (in this process, as the worker runs it) and 2
+  (trainer/distributed.py: two spawned ranks, gloo on the CPU, rank 0 hands back the state),
+  as the training worker sees it: launch, rendezvous, update, hand-back. Prints samples/s of
+  each, the scaling efficiency (samples/s at 2 / (2 x samples/s at 1)) and the launch cost
+  alone (world size 2 with epochs=0). The median of `--repeat` runs.
 """
 
 from __future__ import annotations
@@ -127,6 +136,42 @@ def _report(mode: str, job_id: int, elapsed: float, ok: str) -> None:
     print(f"[{mode}] validation reward {first} -> {last}")
 
 
+def world_size_bench(tasks: int, group_size: int, repeat: int) -> None:
+    from statistics import median
+
+    from examples.cipher import job_spec
+    from examples.cipher.task import act_samples
+    from trainer import distributed
+    from trainer.algorithms.grpo import GRPO
+
+    algorithm = GRPO({**job_spec(seed=0)["config"], "tasks_per_step": tasks,
+                      "group_size": group_size})
+    state = algorithm.init_state()
+    samples = act_samples(state["model"], tasks=tasks, group_size=group_size, seed=1)
+
+    def timed(world_size: int, algo: GRPO = algorithm) -> float:
+        started = time.perf_counter()
+        if world_size == 1:
+            algo.update(step=1, state=state, samples=samples, device="cpu")
+        else:
+            distributed.update(algo, step=1, state=state, samples=samples,
+                               world_size=world_size)
+        return time.perf_counter() - started
+
+    timed(1)  # warm-up: first-call costs of torch in this process
+    one = median(timed(1) for _ in range(repeat))
+    two = median(timed(2) for _ in range(repeat))
+    idle = GRPO({**algorithm.config, "epochs": 0})
+    launch = median(timed(2, idle) for _ in range(repeat))
+    count = len(samples)
+    print(f"[world-size] cipher MLP, GRPO, {count} samples x {algorithm.config['epochs']} "
+          f"epochs per step, {os.cpu_count()} CPUs, gloo; median of {repeat}")
+    print(f"[world-size] world size 1: {one:.3f}s/step  {count / one:.1f} samples/s")
+    print(f"[world-size] world size 2: {two:.3f}s/step  {count / two:.1f} samples/s  "
+          f"(of which launch+rendezvous+hand-back {launch:.3f}s)")
+    print(f"[world-size] scaling efficiency at 2: {one / (2 * two):.1%}")
+
+
 def parent(mode: str, steps: int) -> None:
     base = {k: v for k, v in os.environ.items()
             if k not in ("DATABASE_URL", "CELERY_BROKER_URL", "LIGHTNING_DATA_DIR")}
@@ -162,10 +207,16 @@ def _spawn(mode: str, steps: int, env: dict) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--mode", default="both", choices=["both", "embedded", "distributed"])
+    parser.add_argument("--mode", default="both",
+                        choices=["both", "embedded", "distributed", "world-size"])
     parser.add_argument("--child", choices=["embedded", "distributed"])
+    parser.add_argument("--tasks", type=int, default=8, help="world-size: tasks per step")
+    parser.add_argument("--group-size", type=int, default=8, help="world-size: rollouts/task")
+    parser.add_argument("--repeat", type=int, default=3, help="world-size: runs per figure")
     args = parser.parse_args()
-    if args.child:
+    if args.mode == "world-size":
+        world_size_bench(args.tasks, args.group_size, args.repeat)
+    elif args.child:
         child(args.child, args.steps)
     else:
         parent(args.mode, args.steps)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -26,4 +27,26 @@ class SlowGRPO(GRPO):
 
     def update(self, **kwargs):
         time.sleep(float(self.config.get("update_seconds", 1.0)))
+        return super().update(**kwargs)
+
+
+class RankFailsGRPO(GRPO):
+    """A DDP step whose rank `fail_rank` raises (or with `hang`, sleeps: a test kills it)
+    after every rank wrote its pid into `pid_dir` (the others then wait in the gradient
+    all-reduce for it)."""
+
+    def update(self, **kwargs):
+        from trainer import distributed
+
+        rank, size = distributed.world()
+        Path(self.config["pid_dir"], f"rank{rank}").write_text(str(os.getpid()))
+        if rank == int(self.config["fail_rank"]):
+            while len(list(Path(self.config["pid_dir"]).iterdir())) < size:
+                time.sleep(0.05)
+            if self.config.get("hang"):
+                # deaf to SIGINT (torch's spawn signal for an orphan), as a rank blocked in
+                # a collective's C++ code is
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                time.sleep(600)
+            raise RuntimeError(f"rank {rank} broke on purpose")
         return super().update(**kwargs)

@@ -32,7 +32,7 @@ from store.errors import IllegalTransition, InvalidInput
 from store.models import Project
 from store.services import RolloutSpec
 from store.statemachine import ROLLOUT_TERMINAL, RolloutConfig, RolloutStatus
-from trainer import checkpoints, delivery, selectors
+from trainer import checkpoints, delivery, distributed, selectors
 from trainer.algorithms import Algorithm, algorithm_load
 from trainer.lease import lease_kept
 from trainer.models import (
@@ -50,6 +50,8 @@ from trainer.statemachine import step_move
 JOB_DEFAULTS: dict[str, Any] = {
     "steps": 10,
     "seed": 0,
+    # local processes of one train step (DDP; trainer/distributed.py); 1: in the worker itself
+    "world_size": 1,
     # tries of one train step (a worker killed mid-step counts) before the job fails
     "max_step_attempts": 3,
     # a step whose share of failed train rollouts, or of failed validation rollouts, is above
@@ -101,11 +103,13 @@ def job_create(
             raise InvalidInput(field_name, f"must be a list of tasks, got "
                                f"{type(dataset).__name__}")
     try:
-        algorithm_load(algorithm, merged)
+        built = algorithm_load(algorithm, merged)
     except InvalidInput:
         raise
     except (ImportError, ValueError, KeyError) as exc:
         raise InvalidInput("algorithm", str(exc)) from None
+    if (why := distributed.world_size_error(merged, built)) is not None:
+        raise InvalidInput("config.world_size", why)
     return TrainingJob.objects.create(
         project=project, name=name, agent=agent, algorithm=algorithm, config=merged,
         train_dataset=list(train_dataset), val_dataset=list(val_dataset or []),
@@ -358,8 +362,13 @@ def _train(step: TrainingStep) -> TrainResult:
             project=job.project, resources_id=job.resources_id, version=step.resources_version
         )
         state = algorithm.load(checkpoints.find_checkpoint(version.resources))
-        update = algorithm.update(step=step.n, state=state,
-                                  samples=algorithm.samples(rollouts), device=device)
+        samples = algorithm.samples(rollouts)
+        if (world_size := distributed.world_size_of(config)) > 1:
+            update, device = distributed.update(algorithm, step=step.n, state=state,
+                                                samples=samples, world_size=world_size)
+        else:
+            update = algorithm.update(step=step.n, state=state, samples=samples,
+                                      device=device)
         metrics.update(update.metrics)
         if update.state is not None:
             resource = algorithm.save(update.state, name_prefix=f"jobs/{job.pk}",

@@ -35,3 +35,31 @@ def build_policy(*, vocab: int = VOCAB, length: int = LENGTH, hidden: int = 32) 
         torch.nn.Tanh(),
         torch.nn.Linear(hidden, vocab),
     )
+
+
+def act_samples(model_state: dict, *, tasks: int, group_size: int, seed: int) -> list:
+    """Training samples as the agent's rollouts of one step make them (`tasks` messages,
+    `group_size` sampled episodes of each), without the store: for the parity test and
+    bench/train_bench.py. Same policy, features, sampling and reward as agent.py."""
+    from trainer.algorithms.adapter import Sample
+
+    policy = build_policy()
+    policy.load_state_dict(model_state)
+    samples = []
+    for t, task in enumerate(make_dataset(tasks, seed=seed)):
+        for g in range(group_size):
+            generator = torch.Generator().manual_seed(seed * 100_003 + t * 1000 + g)
+            observations, actions, logprobs, correct = [], [], [], 0
+            for position, symbol in enumerate(task["message"]):
+                features = observe(symbol, position)
+                with torch.no_grad():
+                    logp = torch.log_softmax(policy(torch.tensor([features])), dim=-1)[0]
+                action = int(torch.multinomial(logp.exp(), 1, generator=generator))
+                observations.append(features)
+                actions.append(action)
+                logprobs.append(float(logp[action]))
+                correct += int(action == answer(symbol))
+            samples.append(Sample(rollout_id=f"r-{t}-{g}", group=f"train-{t}", agent="decoder",
+                                  observations=observations, actions=actions,
+                                  logprobs=logprobs, reward=correct / len(task["message"])))
+    return samples

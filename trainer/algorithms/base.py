@@ -50,6 +50,10 @@ class Algorithm(ABC):
     #: True when the job's rollouts call the model through the model gateway (grpo_lm): the
     #: embedded default then runs the gateway in its process.
     serves_llm: bool = False
+    #: True when `update` can run as one rank of a DDP group (job config `world_size` > 1):
+    #: it wraps its model with `trainer.distributed.wrap`, trains on its shard of the batch
+    #: and normalizes its loss over the global batch (see trainer/distributed.py, grpo.py).
+    runs_ddp: bool = False
 
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = config

@@ -18,6 +18,7 @@ import torch
 from django.utils.module_loading import import_string
 
 from store.errors import InvalidInput
+from trainer import distributed
 from trainer.algorithms.adapter import Sample
 from trainer.algorithms.base import Algorithm, PlannedRollout, Update, step_seed
 
@@ -103,6 +104,8 @@ def group_advantages(samples: Sequence[Sample]) -> dict[str, float]:
 
 
 class GRPO(Algorithm):
+    runs_ddp = True  # world_size > 1: DDP over local ranks (trainer/distributed.py)
+
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__({**DEFAULTS, **config})
         policy_check(self.config)
@@ -127,13 +130,17 @@ class GRPO(Algorithm):
         policy.load_state_dict(state["model"])
         optimizer = torch.optim.Adam(policy.parameters(), lr=float(self.config["lr"]))
         optimizer.load_state_dict(state["optimizer"])
+        # Advantages are over the whole batch (a group may straddle two ranks' shards).
         advantages = group_advantages(samples)
         batch = _Batch.build([s for s in samples if s.rollout_id in advantages], advantages,
                              device)
         metrics: dict[str, Any] = {"samples": len(samples), "trained_samples": batch.size}
         if batch.size:
+            rank, world_size = distributed.world()
+            model = distributed.wrap(policy)  # DDP in a process group; else the policy
+            mine = batch.shard(rank, world_size) if world_size > 1 else batch
             for _ in range(int(self.config["epochs"])):
-                metrics.update(self._epoch(policy, optimizer, batch))
+                metrics.update(self._epoch(model, optimizer, mine))
         return Update(
             state={"model": _to_cpu(policy.state_dict()), "optimizer": optimizer.state_dict()},
             metrics=metrics,
@@ -149,12 +156,28 @@ class GRPO(Algorithm):
         ratio = torch.exp(new - batch.old_logprobs)
         clip = float(self.config["clip"])
         clipped = torch.clamp(ratio, 1 - clip, 1 + clip)
-        policy_loss = -torch.min(ratio * batch.advantages, clipped * batch.advantages).mean()
-        entropy = -(logp_all.exp() * logp_all).sum(-1).mean()
+        objective = torch.min(ratio * batch.advantages, clipped * batch.advantages)
+        entropies = -(logp_all.exp() * logp_all).sum(-1)
+        if batch.totals is None:  # one process: the whole batch
+            policy_loss = -objective.mean()
+            entropy = entropies.mean()
+        else:
+            # A shard of a DDP group: DDP averages gradients over the ranks, so each rank's
+            # sum is scaled by world_size / global count, making the update the mean over
+            # the global batch (the shards' sizes may differ), as in one process.
+            samples_total, decisions_total, world_size = batch.totals
+            policy_loss = -objective.sum() * (world_size / samples_total)
+            entropy = entropies.sum() * (world_size / decisions_total)
         loss = policy_loss - float(self.config["entropy_coef"]) * entropy
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        if batch.totals is not None:  # the global batch's figures, as one process reports
+            clipped_count = float(((ratio - 1).abs() > clip).float().sum())
+            loss_sum, entropy_sum, clipped_sum = distributed.all_sum(
+                [float(loss.detach()), float(entropy.detach()), clipped_count], ratio.device)
+            return {"loss": loss_sum / world_size, "entropy": entropy_sum / world_size,
+                    "clip_fraction": clipped_sum / samples_total}
         return {
             "loss": float(loss.detach()),
             "entropy": float(entropy.detach()),
@@ -168,6 +191,20 @@ class _Batch:
     def __init__(self, observations, actions, owner, old_logprobs, advantages, size) -> None:
         self.observations, self.actions, self.owner = observations, actions, owner
         self.old_logprobs, self.advantages, self.size = old_logprobs, advantages, size
+        # (global samples, global decisions, world size) for a rank's shard; None: whole
+        self.totals: tuple[int, int, int] | None = None
+
+    def shard(self, rank: int, world_size: int) -> _Batch:
+        """Rank `rank`'s contiguous slice of the samples (and of their decisions, which are
+        in sample order), the same on every call."""
+        start, stop = distributed.shard_bounds(self.size, rank, world_size)
+        first = int(torch.searchsorted(self.owner, start))
+        last = int(torch.searchsorted(self.owner, stop))
+        part = _Batch(self.observations[first:last], self.actions[first:last],
+                      self.owner[first:last] - start, self.old_logprobs[start:stop],
+                      self.advantages[start:stop], stop - start)
+        part.totals = (self.size, int(self.actions.numel()), world_size)
+        return part
 
     @classmethod
     def build(cls, samples: list[Sample], advantages: dict[str, float], device: str) -> _Batch:

@@ -135,6 +135,8 @@ class Command(BaseCommand):
         parser.add_argument("--algorithm", help="override the spec's algorithm")
         parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                             help="override one config value, e.g. --set lr=0.1")
+        parser.add_argument("--world-size", type=int, metavar="N",
+                            help="processes of each training step (DDP; config world_size, 1)")
         parser.add_argument("--no-follow", action="store_true",
                             help="submit and return (distributed mode only)")
         parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -159,6 +161,8 @@ class Command(BaseCommand):
                 config[key] = json.loads(raw)
             except json.JSONDecodeError:
                 config[key] = raw
+        if opts["world_size"] is not None:
+            config["world_size"] = opts["world_size"]
         try:
             job = services.job_create(
                 project=project_named(opts["project"]), agent=spec["agent"],

@@ -1,0 +1,212 @@
+"""A training step on more than one process: `world_size` local ranks, DDP (issue 25).
+
+The training worker that claimed the step calls `update` instead of `algorithm.update` when
+the job's `world_size` is above 1. It starts `world_size` ranks with torch.multiprocessing
+(spawn), each a fresh interpreter that joins one process group and runs the algorithm's own
+`update` on its shard of the samples, the model wrapped in DistributedDataParallel (gradients
+are all-reduced, so every rank takes the same optimizer step). Rank 0 alone hands the new state
+back; the worker saves the checkpoint and finishes the step exactly as at world size 1.
+
+Why torch.multiprocessing and not torchrun: the step runs inside a Celery worker process that
+is already running (and, on the embedded default, inside `manage.py train`), not on a fresh
+command line a launcher could own; the ranks are that process's children, started and joined
+within the try, and their error is the try's error. The rendezvous is a FileStore in the try's
+own temporary directory: no port to pick (a free port found, closed, then bound again by rank 0
+races with any other process on the machine), nothing shared between two tries.
+
+Backend: NCCL, one GPU per rank, when CUDA is available with at least `world_size` devices;
+otherwise gloo on the CPU, each rank with its share of the CPU threads.
+
+Inside `Algorithm.update`, `wrap`, `shard` and `world` are no-ops at world size 1, so an
+algorithm written for one process runs unchanged there (bit for bit).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch loads with the first distributed step, not with this module
+    import torch
+
+    from trainer.algorithms.adapter import Sample
+    from trainer.algorithms.base import Algorithm, Update
+
+DEFAULT_WORLD_SIZE = 1
+MAX_WORLD_SIZE = 64
+
+
+class RankFailed(RuntimeError):
+    """A rank raised or died: the step's try fails with this (the rank's own error)."""
+
+
+def world_size_of(config: dict[str, Any]) -> int:
+    return int(config.get("world_size", DEFAULT_WORLD_SIZE))
+
+
+def world_size_error(config: dict[str, Any], algorithm: Algorithm) -> str | None:
+    """Why the job's `world_size` is not usable (one line), None when it is."""
+    value = config.get("world_size", DEFAULT_WORLD_SIZE)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_WORLD_SIZE:
+        return f"must be an integer from 1 to {MAX_WORLD_SIZE}, got {value!r}"
+    if value > 1 and not algorithm.runs_ddp:
+        return (f"{type(algorithm).__name__} trains in one process only; "
+                f"world_size must be 1, got {value}")
+    return None
+
+
+# --- inside a rank (and no-ops in a single process) ------------------------------------------
+
+def world() -> tuple[int, int]:
+    """(rank, world size) of this process: (0, 1) outside a process group."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def shard_bounds(count: int, rank: int, world_size: int) -> tuple[int, int]:
+    """This rank's contiguous slice [start, stop) of `count` items (sizes differ by <= 1)."""
+    return count * rank // world_size, count * (rank + 1) // world_size
+
+
+def wrap(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` under DistributedDataParallel in a process group, else `model` itself."""
+    rank, size = world()
+    if size == 1:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    device = next(model.parameters()).device
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
+                                   else None)
+
+
+def all_sum(values: list[float], device: str | torch.device = "cpu") -> list[float]:
+    """Sums of `values` over the ranks (the values themselves at world size 1)."""
+    rank, size = world()
+    if size == 1:
+        return list(values)
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+# --- the worker's side ----------------------------------------------------------------------
+
+def backend_for(world_size: int) -> str:
+    import torch
+
+    if torch.cuda.is_available() and world_size <= torch.cuda.device_count():
+        return "nccl"
+    return "gloo"
+
+
+def update(algorithm: Algorithm, *, step: int, state: dict[str, Any], samples: list[Sample],
+           world_size: int) -> tuple[Update, str]:
+    """Run `algorithm.update` on `world_size` local ranks; rank 0's Update and the device
+    label ("cpu x2", "cuda x2"). Raises RankFailed with the first failing rank's error; every
+    rank is joined (or killed) before this returns or raises."""
+    import torch
+    import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
+
+    backend = backend_for(world_size)
+    threads = max(1, torch.get_num_threads() // world_size)
+    with tempfile.TemporaryDirectory(prefix="lightning-ddp-") as tmp:
+        result = Path(tmp) / "rank0.pt"
+        args = (world_size, backend, str(Path(tmp) / "rendezvous"), str(result), threads,
+                os.getpid(), algorithm, step, state, samples)
+        with _children_allowed():
+            context = mp.start_processes(_rank_main, args=args, nprocs=world_size,
+                                         join=False, start_method="spawn")
+        try:
+            while not context.join(grace_period=5):
+                pass
+        except ProcessException as exc:
+            raise RankFailed(f"rank {exc.error_index} of {world_size} failed: "
+                             f"{str(exc).strip()}") from None
+        finally:
+            for process in context.processes:  # an interrupted join: no rank outlives the try
+                if process.is_alive():
+                    process.kill()
+                process.join()
+        update = torch.load(result, weights_only=False)
+    device = "cuda" if backend == "nccl" else "cpu"
+    return update, f"{device} x{world_size}"
+
+
+_daemon_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _children_allowed() -> Iterator[None]:
+    """A Celery prefork pool process is billiard's: marked daemonic, and multiprocessing
+    refuses to start children from a daemonic process (so that none outlives it), and its
+    authentication key is billiard's type, which multiprocessing's spawn cannot pickle. The
+    ranks cannot outlive it: `update` joins or kills them before it returns, and each dies
+    with its parent (`_die_with_parent`). So, while they start, the mark is lifted and the
+    key (the same bytes) is multiprocessing's own; both are put back after."""
+    from multiprocessing import process
+
+    config = process.current_process()._config
+    with _daemon_lock:
+        saved = dict(config)
+        config.pop("daemon", None)
+        if "authkey" in config:
+            config["authkey"] = process.AuthenticationString(bytes(config["authkey"]))
+        try:
+            yield
+        finally:
+            config.clear()
+            config.update(saved)
+
+
+def _rank_main(rank: int, world_size: int, backend: str, rendezvous: str, result: str,
+               threads: int, parent: int, algorithm: Algorithm, step: int,
+               state: dict[str, Any], samples: list[Sample]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    _die_with_parent(parent)
+    device = "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    else:
+        torch.set_num_threads(threads)
+    store = dist.FileStore(rendezvous, world_size)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    try:
+        out = algorithm.update(step=step, state=state, samples=samples, device=device)
+        if rank == 0:
+            torch.save(out, result + ".tmp")
+            os.replace(result + ".tmp", result)
+    finally:
+        dist.destroy_process_group()
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: this rank gets SIGKILL when the worker that started it dies (kill -9 of the
+    worker leaves no rank behind); elsewhere a no-op. torch's spawn asks for SIGINT, which
+    a rank blocked in a collective's C++ code does not act on."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it died before the line above
+        os._exit(1)
