@@ -77,8 +77,9 @@ class RequestMetricsMiddleware:
 
 
 def _gauge(name: str, documentation: str, labels: list[str],
-           rows: Iterator[tuple[tuple[str, ...], float]]) -> GaugeMetricFamily:
-    family = GaugeMetricFamily(name, documentation, labels=labels)
+           rows: Iterator[tuple[tuple[str, ...], float]],
+           kind: type = GaugeMetricFamily) -> GaugeMetricFamily:
+    family = kind(name, documentation, labels=labels)
     for label_values, value in rows:
         family.add_metric(list(label_values), value)
     return family
@@ -86,10 +87,8 @@ def _gauge(name: str, documentation: str, labels: list[str],
 
 def _counter(name: str, documentation: str, labels: list[str],
              rows: Iterator[tuple[tuple[str, ...], float]]) -> CounterMetricFamily:
-    family = CounterMetricFamily(name, documentation, labels=labels)
-    for label_values, value in rows:
-        family.add_metric(list(label_values), value)
-    return family
+    """A counter read from the rows (monotonic while rows are kept)."""
+    return _gauge(name, documentation, labels, rows, kind=CounterMetricFamily)
 
 
 class StoreCollector(Collector):

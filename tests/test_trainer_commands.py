@@ -92,9 +92,12 @@ def test_embedded_train_killed_midway_resumes_from_its_last_finished_step(tmp_pa
 
 
 @pytest.mark.slow
-def test_ctrl_c_on_embedded_train_pauses_the_job_and_says_how_to_go_on(tmp_path):
-    """Finding 7: Ctrl+C printed a traceback and no resume hint; the workers' rows stayed
-    "alive"."""
+@pytest.mark.parametrize("sig,returncode", [(signal.SIGINT, 130), (signal.SIGTERM, 143)],
+                         ids=["ctrl-c", "sigterm"])
+def test_an_interrupted_embedded_train_pauses_the_job_and_says_how_to_go_on(
+        tmp_path, sig, returncode):
+    """Finding 7: Ctrl+C printed a traceback and no resume hint, and the workers' rows stayed
+    "alive"; SIGTERM (a container stopped, a `kill`) left the job `running`."""
     env = embedded_env(tmp_path)
     subprocess.run(manage("migrate", "-v0"), env=env, cwd=ROOT, check=True, timeout=300)
     run = subprocess.Popen(manage("train", "examples.cipher", "--steps", "4", "--quiet"),
@@ -103,41 +106,18 @@ def test_ctrl_c_on_embedded_train_pauses_the_job_and_says_how_to_go_on(tmp_path)
     try:
         wait_until(lambda: len(done_steps(tmp_path / "lightning.sqlite3")) >= 1, timeout=240,
                    message="the embedded run did not finish a step")
-        run.send_signal(signal.SIGINT)
+        run.send_signal(sig)
         out, err = run.communicate(timeout=180)
     finally:
         if run.poll() is None:
             run.kill()
-    assert run.returncode == 130, err[-3000:]
+    assert run.returncode == returncode, err[-3000:]
     assert "Traceback" not in err
     assert "job 1 paused; go on with `manage.py train_resume 1`" in err
     with sqlite3.connect(tmp_path / "lightning.sqlite3") as db:
         assert db.execute("SELECT status FROM trainer_trainingjob").fetchall() == [("paused",)]
         workers = db.execute("SELECT status FROM runners_celeryworker").fetchall()
     assert workers and set(workers) == {("stopped",)}
-
-
-@pytest.mark.slow
-def test_sigterm_on_embedded_train_pauses_the_job_as_ctrl_c_does(tmp_path):
-    """Finding 7: SIGTERM (a container stopped, a `kill`) left an embedded job `running`."""
-    env = embedded_env(tmp_path)
-    subprocess.run(manage("migrate", "-v0"), env=env, cwd=ROOT, check=True, timeout=300)
-    run = subprocess.Popen(manage("train", "examples.cipher", "--steps", "4", "--quiet"),
-                           env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True)
-    try:
-        wait_until(lambda: len(done_steps(tmp_path / "lightning.sqlite3")) >= 1, timeout=240,
-                   message="the embedded run did not finish a step")
-        run.send_signal(signal.SIGTERM)
-        out, err = run.communicate(timeout=180)
-    finally:
-        if run.poll() is None:
-            run.kill()
-    assert run.returncode == 143, err[-3000:]
-    assert "Traceback" not in err
-    assert "job 1 paused; go on with `manage.py train_resume 1`" in err
-    with sqlite3.connect(tmp_path / "lightning.sqlite3") as db:
-        assert db.execute("SELECT status FROM trainer_trainingjob").fetchall() == [("paused",)]
 
 
 def test_no_follow_on_the_embedded_default_is_refused_not_ignored(settings, monkeypatch):
