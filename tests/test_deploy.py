@@ -140,7 +140,9 @@ def _comparable(words: list[str]) -> list[str]:
 
 def test_readme_distributed_commands_are_the_compose_commands_line_by_line(config):
     readme = [_comparable(words) for words in _readme_distributed_commands()]
-    compose = [_comparable(_command(s)) for s in config["services"].values() if "command" in s]
+    ours = [s for s in config["services"].values()
+            if "command" in s and s.get("image", "").startswith("lightning-orchestrator")]
+    compose = [_comparable(_command(s)) for s in ours]  # not Postgres' own settings
     assert sorted(map(tuple, readme)) == sorted({tuple(c) for c in compose})
 
 
