@@ -178,3 +178,11 @@ def test_flower_does_not_start_without_real_credentials(value, ok):
     assert (result.returncode == 0) == ok, result.stderr
     if not ok:
         assert "FLOWER_BASIC_AUTH" in result.stderr
+
+
+def test_postgres_takes_the_connection_budget_the_readme_sums(config):
+    """README "Deploy": the processes' pools pass Postgres' default of 100 connections."""
+    words = _command(config["services"]["postgres"])
+    setting = next(w for w in words if w.startswith("max_connections="))
+    assert int(setting.split("=", 1)[1]) >= 200
+    assert "max_connections=${POSTGRES_MAX_CONNECTIONS:-300}" in COMPOSE.read_text()
