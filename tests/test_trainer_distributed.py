@@ -21,7 +21,7 @@ from store import services as store_services
 from store.errors import InvalidInput
 from tests.celery_fixtures import use_broker, wait_until
 from tests.test_trainer_commands import ROOT, embedded_env, manage
-from tests.trainer_algorithms import RankFailsGRPO
+from tests.trainer_algorithms import AbortsAfterUpdateGRPO, RankFailsGRPO
 from trainer import distributed, services
 from trainer.algorithms.grpo import GRPO
 from trainer.models import JobStatus
@@ -72,6 +72,18 @@ def test_a_rank_that_raises_fails_the_update_with_its_error_and_no_rank_is_left(
     assert not [pid for pid in pids if psutil.pid_exists(pid)]
     # (multiprocessing's one resource tracker may stay: it is not a rank)
     assert spawned() - before == set()
+
+
+@pytest.mark.slow
+def test_a_rank_dying_after_the_update_is_complete_does_not_fail_it():
+    """CI saw a rank abort in its teardown ('terminate called without an active exception')
+    after the update was complete: rank 0's saved update is used, with a warning."""
+    config = job_spec(seed=0)["config"]
+    state = GRPO(config).init_state()
+    samples = act_samples(state["model"], tasks=2, group_size=4, seed=1)
+    update, device = distributed.update(AbortsAfterUpdateGRPO(config), step=0, state=state,
+                                        samples=samples, world_size=2)
+    assert device == "cpu x2" and update.state is not None
 
 
 def rank_pids(pid_dir: Path, count: int = 2) -> list[int]:

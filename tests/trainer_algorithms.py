@@ -50,3 +50,16 @@ class RankFailsGRPO(GRPO):
                 time.sleep(600)
             raise RuntimeError(f"rank {rank} broke on purpose")
         return super().update(**kwargs)
+
+
+class AbortsAfterUpdateGRPO(GRPO):
+    """A DDP step whose rank 1 aborts (SIGABRT) once its update is done, as a rank did in its
+    gloo teardown: the update is complete, rank 0 saves it."""
+
+    def update(self, **kwargs):
+        from trainer import distributed
+
+        out = super().update(**kwargs)
+        if distributed.world()[0] == 1:
+            os.abort()
+        return out

@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import signal
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,6 +41,8 @@ if TYPE_CHECKING:  # torch loads with the first distributed step, not with this 
 
     from trainer.algorithms.adapter import Sample
     from trainer.algorithms.base import Algorithm, Update
+
+log = logging.getLogger(__name__)
 
 DEFAULT_WORLD_SIZE = 1
 MAX_WORLD_SIZE = 64
@@ -136,8 +140,18 @@ def update(algorithm: Algorithm, *, step: int, state: dict[str, Any], samples: l
             while not context.join(grace_period=5):
                 pass
         except ProcessException as exc:
-            raise RankFailed(f"rank {exc.error_index} of {world_size} failed: "
-                             f"{str(exc).strip()}") from None
+            # The others end on their own (a dead peer ends their collectives) or are killed
+            # below; rank 0 may be saving a complete update.
+            deadline = time.monotonic() + 10
+            for process in context.processes:
+                process.join(timeout=max(0.0, deadline - time.monotonic()))
+            if not result.exists():
+                raise RankFailed(f"rank {exc.error_index} of {world_size} failed: "
+                                 f"{str(exc).strip()}") from None
+            # Rank 0 saved the update after every collective of it had completed: a rank that
+            # died after that (in its teardown) changed nothing of it.
+            log.warning("rank %s of %s died after the update was complete (%s); using it",
+                        exc.error_index, world_size, str(exc).strip())
         finally:
             for process in context.processes:  # an interrupted join: no rank outlives the try
                 if process.is_alive():
@@ -189,13 +203,15 @@ def _rank_main(rank: int, world_size: int, backend: str, rendezvous: str, result
         torch.set_num_threads(threads)
     store = dist.FileStore(rendezvous, world_size)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
-    try:
-        out = algorithm.update(step=step, state=state, samples=samples, device=device)
-        if rank == 0:
-            torch.save(out, result + ".tmp")
-            os.replace(result + ".tmp", result)
-    finally:
-        dist.destroy_process_group()
+    out = algorithm.update(step=step, state=state, samples=samples, device=device)
+    if rank == 0:
+        torch.save(out, result + ".tmp")
+        os.replace(result + ".tmp", result)
+    # Every rank leaves together: one that tore its gloo pairs down while another was still
+    # in its last collective aborted ("terminate called without an active exception", seen
+    # once in CI on 2 loaded cores).
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _die_with_parent(parent: int) -> None:
