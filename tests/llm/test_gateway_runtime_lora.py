@@ -209,9 +209,11 @@ def test_upstream_mode_loads_each_version_into_the_upstream_under_concurrent_cal
 
     try:
         for version in (1, 2, 3):
-            if version > 1:
+            if version > 1:  # published: loaded into B by A's poller, before any call
                 services.resources_update(project=p, resources_id=resources_id,
                                           resources=llm(version))
+                front.poll_once()  # (or already by its thread)
+                assert version in front.upstream_loras.loaded(p.pk, resources_id)
             rid, aid = started_attempt(p, resources_id)  # pins the newest version
             pinned[rid] = version
             current["rollout"] = (rid, aid, version)
