@@ -335,6 +335,11 @@ LLM_GATEWAY_THREADS = env_int("LLM_GATEWAY_THREADS", 64, minimum=1)
 # on SmolLM2-135M, 2 busy CPU cores: 24.6 against 29.3 tokens/s with one torch thread, 6.7
 # against 47.5 with two; README "Pretrained models and LoRA").
 LLM_GATEWAY_SHARE_BASE = env_bool("LLM_GATEWAY_SHARE_BASE", False)
+# vLLM's runtime LoRA endpoints (`POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter`;
+# vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING) on this gateway, for algorithm/admin keys, each
+# adapter in its key's project (trainer/llm/runtime_lora.py). Off: the routes are 404.
+LLM_GATEWAY_ALLOW_RUNTIME_LORA_UPDATING = env_bool("LLM_GATEWAY_ALLOW_RUNTIME_LORA_UPDATING",
+                                                   False)
 # How often the gateway looks for newly published versions of the models it serves.
 LLM_GATEWAY_POLL_SECONDS = env_float("LLM_GATEWAY_POLL_SECONDS", 1.0, minimum=0.05)
 # torch's CPU threads in a process that runs the gateway (0: torch's default, one per core).
