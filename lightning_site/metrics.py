@@ -175,6 +175,8 @@ class StoreCollector(Collector):
                      "Worker slots still running an agent whose attempt the store already ended "
                      "(freed within RUNNERS_STOP_GRACE_SECONDS in prefork pools)",
                      ["queue"], (((q.queue,), q.held_by_ended) for q in states))
+        yield from _scaling(states)
+
 
     def _training(self) -> Iterator[GaugeMetricFamily]:
         wait, train = [], []
@@ -225,6 +227,19 @@ class StoreCollector(Collector):
             yield _gauge("lightning_spans_ingested", "Spans written to the store since its "
                          "statistics were reset (Postgres pg_stat_user_tables)", [],
                          iter([((), row[0])]))
+
+
+def _scaling(states) -> Iterator[GaugeMetricFamily]:
+    """The scaling signal per queue (lightning_site/scaling.py; KEDA reads the last one)."""
+    loads = [(q.queue, q.load) for q in states if q.load is not None]
+    for name, attr, doc in (
+        ("lightning_queue_queued", "queued", "Work waiting for a worker of the queue"),
+        ("lightning_queue_running", "running", "Work a worker of the queue is running"),
+        ("lightning_queue_slots_live", "slots", "Slots (concurrency) of the queue's live workers"),
+        ("lightning_desired_workers", "desired_workers", "Workers the queue wants: "
+         "ceil((queued + running) / slots per worker), within SCALE_<QUEUE>_MIN/MAX_WORKERS"),
+    ):
+        yield _gauge(name, doc, ["queue"], (((q,), getattr(load, attr)) for q, load in loads))
 
 
 def _histogram(name: str, documentation: str, rows, project: str,

@@ -279,6 +279,17 @@ EMBEDDED_ROLLOUT_CONCURRENCY = env_int("EMBEDDED_ROLLOUT_CONCURRENCY", 4, minimu
 # more calls arrive together, the larger the gateway's batches.
 EMBEDDED_LLM_ROLLOUT_CONCURRENCY = env_int("EMBEDDED_LLM_ROLLOUT_CONCURRENCY", 16, minimum=1)
 
+# --- The scaling signal (lightning_site/scaling.py, README "Scaling") ---------------------------
+# lightning_desired_workers{queue} = ceil((queued + running) / slots per worker), kept within
+# [MIN, MAX]. Slots per worker: what `celery -c` gives one worker; 0 takes the mean concurrency
+# of the queue's live workers (1 when none is live).
+SCALE_ROLLOUTS_MIN_WORKERS = env_int("SCALE_ROLLOUTS_MIN_WORKERS", 1, minimum=0)
+SCALE_ROLLOUTS_MAX_WORKERS = env_int("SCALE_ROLLOUTS_MAX_WORKERS", 20, minimum=0)
+SCALE_ROLLOUTS_SLOTS_PER_WORKER = env_int("SCALE_ROLLOUTS_SLOTS_PER_WORKER", 0, minimum=0)
+SCALE_TRAINING_MIN_WORKERS = env_int("SCALE_TRAINING_MIN_WORKERS", 0, minimum=0)
+SCALE_TRAINING_MAX_WORKERS = env_int("SCALE_TRAINING_MAX_WORKERS", 4, minimum=0)
+SCALE_TRAINING_SLOTS_PER_WORKER = env_int("SCALE_TRAINING_SLOTS_PER_WORKER", 1, minimum=0)
+
 # --- The worker registry and the periodic control work ----------------------------------------
 # Celery workers heartbeat this often; silent for WORKERS_LOST_AFTER_SECONDS, they are "lost".
 WORKERS_HEARTBEAT_SECONDS = env_float("WORKERS_HEARTBEAT_SECONDS", 15.0, minimum=0.1)

@@ -17,6 +17,14 @@ from trainer.algorithms import FinishedRollout
 from trainer.models import StepStatus, TrainingJob, TrainingStep
 
 
+def training_backlog() -> tuple[int, int]:
+    """(queued, running) training steps: ready ones wait for a training worker, training ones
+    hold one (the scaling signal of the training queue, lightning_site/scaling.py)."""
+    counts = dict(TrainingStep.objects.filter(status__in=[StepStatus.READY, StepStatus.TRAINING])
+                  .values_list("status").annotate(n=Count("pk")).order_by())
+    return counts.get(StepStatus.READY, 0), counts.get(StepStatus.TRAINING, 0)
+
+
 def step_rollouts(*, step: TrainingStep) -> Any:
     """The step's rollouts of its current round (all statuses): the members of its group,
     served by the index rollout_group."""
