@@ -37,7 +37,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from runners.selectors import queue_states
-from store.models import Attempt, ResourceSet, Rollout, Span
+from store.models import Attempt, ResourceSet, Rollout, Span, UsageEntry
 from store.statemachine import ATTEMPT_LIVE, QUEUED, ROLLOUT_TERMINAL, AttemptStatus
 from trainer import selectors as trainer_selectors
 from trainer.models import JobStatus, StepStatus, TrainingJob, TrainingStep
@@ -117,6 +117,21 @@ class StoreCollector(Collector):
         yield from self._durations()
         yield from self._finished()
         yield from self._step_history()
+        yield from self._ledger()
+
+    def _ledger(self) -> Iterator[CounterMetricFamily]:
+        """The cost ledger's totals per project (append-only rows: counters)."""
+        sums = list(UsageEntry.objects.values_list("project__name").annotate(
+            cpu=Sum("cpu_seconds"), gpu=Sum("gpu_seconds"), tokens=Sum("tokens"),
+            cost=Sum("cost")).order_by())
+        for name, index, doc in (
+            ("lightning_usage_cpu_seconds", 1, "CPU-seconds of attempts and training steps"),
+            ("lightning_usage_gpu_seconds", 2, "GPU-seconds (wall x devices held)"),
+            ("lightning_usage_tokens", 3, "Tokens the model gateway generated for attempts"),
+            ("lightning_cost", 4, "Cost of the ledger's rows at the price list of their time"),
+        ):
+            yield _counter(name, f"{doc}, by project (the cost ledger)", ["project"],
+                           (((row[0],), row[index]) for row in sums))
 
     def _finished(self) -> Iterator[CounterMetricFamily]:
         """Counters read from the rows (ended rows never change back), so rates come from

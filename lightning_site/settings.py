@@ -13,6 +13,7 @@ from lightning_site.env import (
     env_float,
     env_int,
     env_list,
+    env_prices,
     env_str,
     sqlite_database,
 )
@@ -168,6 +169,13 @@ STORE_QUEUE_TIMEOUT_SECONDS = env_float("STORE_QUEUE_TIMEOUT_SECONDS", 0.0, mini
 # A claimed attempt that never reports (no heartbeat, status or span) is unresponsive after this
 # many seconds whatever its config: a lost dequeue answer never strands a rollout. 0: no bound.
 STORE_FIRST_REPORT_SECONDS = env_float("STORE_FIRST_REPORT_SECONDS", 300.0, minimum=0.0)
+# The price list of the cost ledger (README "Cost"), applied when a ledger row is written:
+# per CPU-second, per GPU-second by device type (the first name contained in the device's
+# name, else "*"), per 1000 tokens the model gateway generated. Units are the operator's.
+COST_PER_CPU_SECOND = env_float("COST_PER_CPU_SECOND", 0.00001, minimum=0.0)
+COST_PER_GPU_SECOND = env_prices("COST_PER_GPU_SECOND", {"H200": 0.0012, "H100": 0.001,
+                                                        "A100": 0.0006, "*": 0.0004})
+COST_PER_1K_TOKENS = env_float("COST_PER_1K_TOKENS", 0.0002, minimum=0.0)
 
 # --- The REST API (store/api; README "Runner API") ------------------------------------------
 REST_FRAMEWORK = {

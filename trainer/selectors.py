@@ -11,6 +11,7 @@ from urllib.parse import urlencode
 from django.db.models import Count, F, Q, Sum
 from django.urls import reverse
 
+from store import selectors as store_selectors
 from store.models import ResourceVersion, Rollout, RolloutGroup, Span
 from store.statemachine import ROLLOUT_TERMINAL
 from trainer.algorithms import FinishedRollout
@@ -37,6 +38,12 @@ def job_groups(*, job: TrainingJob) -> Any:
     """The rollout groups of every step and round of the job (found by their unique keys)."""
     keys = [key for step in job.steps.only("pk", "round") for key in step.group_keys()]
     return RolloutGroup.objects.filter(project_id=job.project_id, key__in=keys)
+
+
+def job_usage(*, job: TrainingJob) -> store_selectors.UsageTotals:
+    """The job's cost ledger totals: its attempts' rows and its steps' (all carry one of the
+    job's rollout groups)."""
+    return store_selectors.usage_totals(group_ids=job_groups(job=job).values("pk"))
 
 
 def job_rollouts(*, job: TrainingJob) -> Any:
