@@ -218,8 +218,8 @@ class UpdateAttemptIn(serializers.Serializer):
 class UsageIn(serializers.Serializer):
     """What the attempt used, measured by the runner (README "Cost")."""
 
-    cpu_seconds = serializers.FloatField(min_value=0.0, required=False, default=0.0)
-    gpu_seconds = serializers.FloatField(min_value=0.0, required=False, default=0.0)
+    cpu_seconds = SecondsField(required=False, default=0.0)
+    gpu_seconds = SecondsField(required=False, default=0.0)
     gpu_type = StrictCharField(required=False, default="", allow_blank=True, max_length=100)
 
 

@@ -104,10 +104,11 @@ def test_the_remote_runners_verdict_carries_its_usage_into_the_ledger(client, ap
     with StoreClient(api_server.url, keys.runner) as runner_client:
         gateway = HttpGateway(runner_client)
         claim = gateway.claim_rollout(rollout_id=rid, worker_id="w")
-        with pytest.raises(ApiError) as refused:
-            runner_client.finish_attempt(rid, claim.attempt_id, status="succeeded",
-                                         usage={"cpu_seconds": -1})
-        assert refused.value.status == 422 and "cpu_seconds" in str(refused.value.detail)
+        for bad in ({"cpu_seconds": -1}, {"gpu_seconds": False}, {"cpu_seconds": 1e300}):
+            with pytest.raises(ApiError) as refused:
+                runner_client.finish_attempt(rid, claim.attempt_id, status="succeeded",
+                                             usage=bad)
+            assert refused.value.status == 422 and next(iter(bad)) in str(refused.value.detail)
         gateway.finish(rollout_id=rid, attempt_id=claim.attempt_id, status="succeeded",
                        usage=Usage(cpu_seconds=1.5, gpu_seconds=2.0, gpu_type="NVIDIA L4"))
     row = UsageEntry.objects.get(rollout_id=rid)
