@@ -140,3 +140,29 @@ def test_a_shared_prefix_computed_once_gives_the_same_logprobs_and_gradients(tmp
     assert torch.allclose(shared[mask], full[mask], atol=1e-5)
     for got, want in zip(grads, [p.grad for p in model.parameters()], strict=True):
         assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_the_engine_runs_a_prompt_prefix_shared_by_the_batch_once(tiny, monkeypatch):
+    """Prompts that start alike (an agent's system prompt and examples) decode as if each were
+    alone: the shared prefix's cache computed once and repeated, the rows' own ids after it
+    (left padding in between, masked), the same tokens and log-probabilities."""
+    from trainer.llm import engine as engine_module
+
+    engine = Engine(tiny, device="cpu")
+    prefix = "abc 123 def 456 ghi 789 jab 012 cde 345 "
+
+    def run():
+        tok = engine.tokenizer
+        seqs = [Sequence_(tok(prefix + "1" * (i + 1))["input_ids"],
+                          Params(max_tokens=6, temperature=t, top_p=p, seed=5, ignore_eos=True))
+                for i, (t, p) in enumerate(SETTINGS)]
+        engine.generate(seqs)
+        return seqs
+
+    assert engine_module._shared_prefix(run(), {}) == len(prefix)
+    shared = run()
+    monkeypatch.setattr(engine_module, "SHARED_MIN", 10**6)
+    alone = run()
+    for a, b in zip(shared, alone, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
