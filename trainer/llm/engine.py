@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from trainer.llm import sampling
+from trainer.llm import decoding
 
 TokenCallback = Callable[["Sequence_", int, float, list[tuple[int, float]]], None]
 
@@ -138,53 +138,22 @@ class Engine:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    @torch.inference_mode()
     def generate(self, sequences: list[Sequence_], adapters: list[str | None] | None = None,
                  ) -> None:
-        """Decode every sequence to its end (EOS, a stop string, max_tokens or the context).
-        `adapters`: each sequence's adapter on this engine's shared base (the batcher's
-        mixed-adapter batches; default: this engine's)."""
+        """Decode every sequence to its end (EOS, a stop string, max_tokens or the context),
+        together (decoding.py). `adapters`: each sequence's adapter on this engine's shared
+        base (default: this engine's). The first sequence that fails raises."""
         for seq in sequences:
             self.check_prompt(seq.prompt_ids)
-        extra = {}
-        if self.shared is not None:
-            names = adapters if adapters is not None else [self.adapter] * len(sequences)
-            extra["adapter_names"] = [n or "__base__" for n in names]
+        names = adapters if adapters is not None else [self.adapter] * len(sequences)
+        rows = [decoding.Row(seq, adapter=name) for seq, name in zip(sequences, names,
+                                                                     strict=True)]
         with self.lock:
-            self._generate(sequences, extra)
-
-    def _generate(self, sequences: list[Sequence_], extra: dict[str, Any]) -> None:
-        width = max(len(s.prompt_ids) for s in sequences)
-        rows = [[self.pad_id] * (width - len(s.prompt_ids)) + list(s.prompt_ids)
-                for s in sequences]
-        mask = [[0] * (width - len(s.prompt_ids)) + [1] * len(s.prompt_ids) for s in sequences]
-        input_ids = torch.tensor(rows, device=self.device)
-        attention = torch.tensor(mask, device=self.device)
-        budget = [min(s.params.max_tokens, self.context - len(s.prompt_ids)) for s in sequences]
-        generators = [_generator(s.params.seed, s.index) for s in sequences]
-        for seq in sequences:
-            seq.logprobs_of = f"{sampling.SAMPLED}:{self.dtype_name}"
-        past = None
-        for _ in range(max(budget)):
-            positions = (attention.cumsum(-1) - 1).clamp(min=0)
-            step_ids = input_ids if past is None else input_ids[:, -1:]
-            step_pos = positions if past is None else positions[:, -1:]
-            out = self.model(input_ids=step_ids, attention_mask=attention, position_ids=step_pos,
-                             use_cache=True, **{self._cache_arg: past}, **extra)
-            past = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-            logits = out.logits[:, -1, :].float()
-            chosen = [self.pad_id] * len(sequences)
-            for i, seq in enumerate(sequences):
-                if not seq.done:
-                    p = seq.params
-                    logprobs = sampling.logprobs(logits[i], p.temperature, p.top_p)
-                    chosen[i] = sampling.choose(logprobs, p.temperature, generators[i])
-                    self._advance(seq, chosen[i], logprobs, budget[i])
-            if all(s.done for s in sequences):
-                break
-            next_ids = torch.tensor(chosen, device=self.device).unsqueeze(1)
-            input_ids = torch.cat([input_ids, next_ids], dim=1)
-            attention = torch.cat([attention, torch.ones_like(next_ids)], dim=1)
+            running, failures = decoding.Decoding.start(self, rows)
+            while running.rows and not failures:
+                failures = running.step()
+        if failures:
+            raise failures[0].error
 
     def _advance(self, seq: Sequence_, token: int, logprobs: torch.Tensor, budget: int) -> None:
         logprob = float(logprobs[token])
@@ -213,16 +182,6 @@ class Engine:
 def _first_stop(text: str, stops: Sequence[str]) -> int | None:
     found = [text.find(s) for s in stops if s and s in text]
     return min(found) if found else None
-
-
-def _generator(seed: int | None, index: int) -> torch.Generator:
-    generator = torch.Generator()
-    if seed is None:
-        generator.seed()
-    else:
-        # Any 64-bit seed (OpenAI's clients send them): torch takes at most 2**64 - 1.
-        generator.manual_seed((int(seed) * 1_000_003 + index) % 2**63)
-    return generator
 
 
 def _eos_ids(tokenizer: Any, config: Any) -> set[int]:

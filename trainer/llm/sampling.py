@@ -38,3 +38,15 @@ def choose(logprobs_row: torch.Tensor, temperature: float, generator: torch.Gene
     if temperature <= 0:
         return int(torch.argmax(logprobs_row))
     return int(torch.multinomial(logprobs_row.exp().cpu(), 1, generator=generator))
+
+
+def generator(seed: int | None, index: int) -> torch.Generator:
+    """The random source of one sequence: seeded by the request's seed and the sequence's
+    index (a request's n sequences differ), or from the system when no seed is given."""
+    source = torch.Generator()
+    if seed is None:
+        source.seed()
+    else:
+        # Any 64-bit seed (OpenAI's clients send them): torch takes at most 2**64 - 1.
+        source.manual_seed((int(seed) * 1_000_003 + index) % 2**63)
+    return source
