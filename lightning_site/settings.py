@@ -327,8 +327,9 @@ LLM_GATEWAY_MAX_SEQUENCES_PER_PROJECT = env_int("LLM_GATEWAY_MAX_SEQUENCES_PER_P
 # LLM_GATEWAY_MAX_BATCH sequences.
 LLM_GATEWAY_BATCH_WINDOW_MS = env_float("LLM_GATEWAY_BATCH_WINDOW_MS", 5.0, minimum=0.0)
 LLM_GATEWAY_MAX_BATCH = env_int("LLM_GATEWAY_MAX_BATCH", 64, minimum=1)
-# Calls the gateway serves at once; each holds a thread and its Postgres connection (README
-# "Deploy": the connection budget). Calls past it wait for a thread.
+# Threads for the gateway's database work (authentication, attribution, recording), each with
+# its Postgres connection (README "Deploy": the connection budget); a call holds one only
+# while it touches the database, not while it waits for the engine.
 LLM_GATEWAY_THREADS = env_int("LLM_GATEWAY_THREADS", 64, minimum=1)
 # LoRA versions as adapters on one shared copy of their base (trainer/llm/adapters.py: memory
 # for many jobs/versions of one base), instead of a merged copy each (fastest decoding; measured

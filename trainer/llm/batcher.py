@@ -27,6 +27,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from trainer.llm.decoding import Decoding, Row
@@ -43,6 +44,7 @@ class Job:
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     started: threading.Event = field(default_factory=threading.Event)  # in a batch
+    on_done: Callable[[Job], None] | None = None  # called on the decoding thread
 
 
 class Batcher:
@@ -55,10 +57,11 @@ class Batcher:
         self.largest = 0  # most sequences decoding at once
         self.steps = 0
 
-    def submit(self, engine: Engine, sequences: list[Sequence_], tenant: object = None) -> Job:
+    def submit(self, engine: Engine, sequences: list[Sequence_], tenant: object = None,
+               on_done: Callable[[Job], None] | None = None) -> Job:
         for seq in sequences:
             engine.check_prompt(seq.prompt_ids)
-        job = Job(engine, sequences, tenant)
+        job = Job(engine, sequences, tenant, on_done=on_done)
         self._queue.put(job)
         return job
 
@@ -231,6 +234,11 @@ class Batcher:
         job.error = error
         job.started.set()
         job.done.set()
+        if job.on_done is not None:
+            try:
+                job.on_done(job)
+            except Exception:  # e.g. the caller's event loop closed: nobody waits any more
+                log.warning("a finished request's callback failed", exc_info=True)
 
 
 def _key(engine: Engine) -> object:
