@@ -41,15 +41,22 @@ def run(calls: int = B_CALLS, flood_seconds: float = 25.0) -> None:
         client = openai.OpenAI(base_url=f"{url}/rollout/{rid}/attempt/{aid}/v1", api_key=b_key,
                                http_client=httpx.Client(timeout=120), max_retries=0)
 
+        inside: list[dict[str, float]] = []  # Server-Timing: engine (waiting + decoding), rest
+
         def b_call() -> float:
             began = time.perf_counter()
-            client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8,
-                                           temperature=1.0, extra_body={"ignore_eos": True})
+            raw = client.chat.completions.with_raw_response.create(
+                model="tiny", messages=MESSAGES, max_tokens=8, temperature=1.0,
+                extra_body={"ignore_eos": True})
+            raw.parse()
+            inside.append({k: float(v) / 1000 for k, v in (
+                part.strip().split(";dur=") for part in raw.headers["server-timing"].split(","))})
             return time.perf_counter() - began
 
         for _ in range(5):  # warm up
             b_call()
         alone = [b_call() for _ in range(calls)]
+        alone_inside, inside[:] = inside[-calls:], []
         flood = subprocess.Popen(
             [sys.executable, str(ROOT / "bench" / "llm_flood.py"), "--key", a_key,
              "--streams", str(FLOOD["streams"]), "--n", str(FLOOD["n"]),
@@ -68,10 +75,11 @@ def run(calls: int = B_CALLS, flood_seconds: float = 25.0) -> None:
             flood.kill()
             flood.wait()
         stop(server)
-    _report(alone, flooded, a_counts)
+    _report(alone, flooded, a_counts, alone_inside, inside)
 
 
-def _report(alone: list[float], flooded: list[float], a_counts: dict) -> None:
+def _report(alone: list[float], flooded: list[float], a_counts: dict, alone_inside: list[dict],
+            flooded_inside: list[dict]) -> None:
     statuses = a_counts["statuses"]
     other = {k: v for k, v in statuses.items() if k not in ("200", "429")}
     print(f"fairness: project B's call (8 tokens, attributed) alone and while project A floods "
@@ -83,5 +91,9 @@ def _report(alone: list[float], flooded: list[float], a_counts: dict) -> None:
         print(f"  {name}: alone {pct(alone, q) * 1000:7.1f} ms ({len(alone)} calls)   "
               f"under the flood {pct(flooded, q) * 1000:7.1f} ms ({len(flooded)} calls)   "
               f"ratio {pct(flooded, q) / pct(alone, q):.2f}x")
+    for name, parts in (("alone", alone_inside), ("under the flood", flooded_inside)):
+        print(f"  {name}: p50 of the gateway's Server-Timing: engine (waiting and decoding) "
+              f"{pct([p['engine'] for p in parts], 0.5) * 1000:.1f} ms, the gateway itself "
+              f"{pct([p['gateway'] for p in parts], 0.5) * 1000:.1f} ms")
     print(f"fairness b_p50_ratio={pct(flooded, 0.5) / pct(alone, 0.5):.2f} "
           f"b_p99_ratio={pct(flooded, 0.99) / pct(alone, 0.99):.2f}")

@@ -110,11 +110,17 @@ def run(max_tokens: int = 8) -> None:
         def direct(i: int, j: int) -> None:
             gateway.batcher.run(engine, [Sequence_(list(prompt), params)])
 
+        failed: dict[str, list[str]] = {name: [] for name in clients}
+
         def through(name: str):
             def call(i: int, j: int) -> None:
-                reply = clients[name][i].chat.completions.create(
-                    model="tiny", messages=MESSAGES, max_tokens=max_tokens, temperature=1.0,
-                    extra_body={"ignore_eos": True})
+                try:
+                    reply = clients[name][i].chat.completions.create(
+                        model="tiny", messages=MESSAGES, max_tokens=max_tokens,
+                        temperature=1.0, extra_body={"ignore_eos": True})
+                except openai.APIError as exc:  # counted, and its time kept
+                    failed[name].append(type(exc).__name__)
+                    return
                 tokens[name].append(reply.usage.completion_tokens)
             return call
 
@@ -141,6 +147,10 @@ def run(max_tokens: int = 8) -> None:
             stop(litellm)
         stop(server)
     _report(results, tokens, recorded, max_tokens)
+    print("failed calls: " + ", ".join(f"{n} {len(f)} ({', '.join(sorted(set(f)))})"
+                                      for n, f in failed.items() if f) if any(failed.values())
+          else "failed calls: none")
+    _last_line(results)
 
 
 def _report(results: dict, tokens: dict, recorded: int, max_tokens: int) -> None:
@@ -161,6 +171,9 @@ def _report(results: dict, tokens: dict, recorded: int, max_tokens: int) -> None
               f" / {cpu['plain']:.1f} plain; engine alone (direct) {cpu['direct']:.1f};"
               f" LiteLLM proxy {cpu['litellm']:.1f} (+ the gateway behind it); "
               f"calls per path {len(lat['direct'])}")
+
+
+def _last_line(results: dict) -> None:
     lat = results[16][0]
     over = {q: (pct(lat["ours"], q) - pct(lat["direct"], q)) * 1000 for q in (0.5, 0.99)}
     peer = (pct(lat["litellm"], 0.5) - pct(lat["plain"], 0.5)) * 1000
