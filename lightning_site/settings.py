@@ -323,8 +323,10 @@ LLM_GATEWAY_MAX_TOKENS = env_int("LLM_GATEWAY_MAX_TOKENS", 4096, minimum=1)
 # Retry-After (trainer/llm/gateway.py). Batches take tenants in turn (trainer/llm/batcher.py).
 LLM_GATEWAY_MAX_SEQUENCES_PER_PROJECT = env_int("LLM_GATEWAY_MAX_SEQUENCES_PER_PROJECT", 256,
                                                 minimum=1)
-# Dynamic batching: requests arriving within this many milliseconds decode together, up to
-# LLM_GATEWAY_MAX_BATCH sequences.
+# Continuous batching (trainer/llm/batcher.py): at most LLM_GATEWAY_MAX_BATCH sequences decode
+# at once (a project with nothing decoding joins even a full batch); requests join a batch in
+# progress at its next step; when nothing decodes, the first request waits this many
+# milliseconds for others to start with it.
 LLM_GATEWAY_BATCH_WINDOW_MS = env_float("LLM_GATEWAY_BATCH_WINDOW_MS", 5.0, minimum=0.0)
 LLM_GATEWAY_MAX_BATCH = env_int("LLM_GATEWAY_MAX_BATCH", 64, minimum=1)
 # Threads for the gateway's database work (authentication, attribution, recording), each with

@@ -5,7 +5,8 @@ directory (safetensors weights, config, tokenizer files) with `AutoModelForCausa
 `AutoTokenizer` (or anything models.resolve takes: a known name, a GGUF file; or a LoRA
 checkpoint: its base with the adapter merged in, lora.py), on CUDA when the process has it.
 `generate` decodes a batch of sequences of different prompts and sampling settings in one
-forward pass per token (left padding, a KV cache), and reports each generated token to its
+forward pass per token (left padding, a KV cache; decoding.py, which the batcher also uses to
+let requests join a batch in progress), and reports each generated token to its
 sequence as it comes (streaming), with its log-probability under the distribution it was
 sampled from (sampling.py: the request's temperature and top_p, greedy = argmax, computed in
 float32 from the model's logits; `Sequence_.logprobs_of` says so, with the model's dtype,
