@@ -105,3 +105,13 @@ def test_sampling_distribution():
     assert torch.allclose(nucleus[:2].exp().sum(), torch.tensor(1.0))
     generator = torch.Generator().manual_seed(0)
     assert {sampling.choose(nucleus, 1.0, generator) for _ in range(50)} == {0, 1}
+
+
+@pytest.mark.parametrize("settings", [SETTINGS * 4, [(0.7, 1.0), (1.3, 1.0)] * 8])
+def test_the_batch_distribution_is_each_rows_bit_for_bit(settings):
+    """The engine computes every row's distribution in one pass (sampling.logprobs_rows):
+    equal to `logprobs` row by row, so the recorded logprobs are those grpo_lm recomputes."""
+    logits = torch.randn(len(settings), 50, generator=torch.Generator().manual_seed(3)) * 4
+    rows = sampling.logprobs_rows(logits, [t for t, _ in settings], [p for _, p in settings])
+    for i, (t, p) in enumerate(settings):
+        assert torch.equal(rows[i], sampling.logprobs(logits[i], t, p))

@@ -117,17 +117,22 @@ class Decoding:
 
     def _sample(self, logits: torch.Tensor) -> list[Failure]:
         failures, chosen = [], []
-        for i, row in enumerate(self.rows):
-            p = row.seq.params
-            token = self.engine.pad_id
-            try:
-                with torch.inference_mode():
-                    logprobs = sampling.logprobs(logits[i], p.temperature, p.top_p)
-                    token = sampling.choose(logprobs, p.temperature, row.generator)
-                    self.engine._advance(row.seq, token, logprobs, row.budget)
-            except Exception as exc:  # this row's own failure (its caller's callback too)
-                failures.append(Failure(row, exc))
-            chosen.append(token)
+        params = [row.seq.params for row in self.rows]
+        with torch.inference_mode():  # every row's distribution in one pass (sampling.py)
+            rows = sampling.logprobs_rows(logits, [p.temperature for p in params],
+                                          [p.top_p for p in params])
+            probs = rows.exp().cpu() if any(p.temperature > 0 for p in params) else None
+            for i, row in enumerate(self.rows):
+                p, token = params[i], self.engine.pad_id
+                try:
+                    if p.temperature <= 0:
+                        token = int(torch.argmax(rows[i]))
+                    else:  # as sampling.choose, on the row's own generator
+                        token = int(torch.multinomial(probs[i], 1, generator=row.generator))
+                    self.engine._advance(row.seq, token, rows[i], row.budget)
+                except Exception as exc:  # this row's own failure (its caller's callback too)
+                    failures.append(Failure(row, exc))
+                chosen.append(token)
         self.pending = torch.tensor(chosen, device=self.engine.device).unsqueeze(1)
         self.attention = torch.cat([self.attention, torch.ones_like(self.pending)], dim=1)
         failed = {id(f.row) for f in failures}
