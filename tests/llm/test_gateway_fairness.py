@@ -131,3 +131,42 @@ def test_a_flooding_project_gets_429_and_another_keeps_being_served(gateway_serv
     print(f"\nproject b's call: p50 alone {statistics.median(alone) * 1000:.1f} ms, "
           f"under a's flood {statistics.median(b_times) * 1000:.1f} ms; "
           f"a: {statuses.count(200)} served, {statuses.count(429)} refused (429)")
+
+
+def test_calls_waiting_for_the_engine_hold_no_thread(model_dir, keyed, settings):
+    """Two database threads; a's four calls wait for the engine (its lock held here): b is
+    still authenticated and answered, as each of a's calls once the engine is free. Before,
+    a waiting call held a thread, and b's authentication waited for a's generations."""
+    from trainer.llm.server import ServerThread, build_gateway
+
+    _, a_key, _, b_key = keyed
+    settings.LLM_GATEWAY_THREADS = 2
+    gateway = build_gateway(models=[f"tiny={model_dir}"])
+    server = ServerThread(gateway.app()).start()
+    base = f"http://127.0.0.1:{server.port}"
+    engine = gateway.registry.by_name("tiny")
+    results: list[int] = []
+
+    def a_call():
+        reply = httpx.post(f"{base}/v1/chat/completions", timeout=60,
+                           json={"model": "tiny", "messages": MESSAGES, "max_tokens": 2},
+                           headers={"Authorization": f"Bearer {a_key}"})
+        results.append(reply.status_code)
+
+    try:
+        with engine.lock:
+            threads = [threading.Thread(target=a_call) for _ in range(4)]
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 30
+            while gateway._in_flight.get(keyed[0].pk, 0) < 4 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert gateway._in_flight.get(keyed[0].pk) == 4  # all four admitted, waiting
+            reply = httpx.get(f"{base}/v1/models", timeout=10,
+                              headers={"Authorization": f"Bearer {b_key}"})
+            assert reply.status_code == 200 and not results
+        for t in threads:
+            t.join(60)
+        assert results == [200] * 4
+    finally:
+        server.stop()
