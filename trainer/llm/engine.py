@@ -81,10 +81,12 @@ def pick_device() -> str:
 
 
 class Engine:
-    """A model and tokenizer from one checkpoint directory (`version` says which)."""
+    """A model and tokenizer from one checkpoint directory (`version` says which). `base`: a
+    LoRA checkpoint's base as found on this machine (default: as the adapter recorded it)."""
 
     def __init__(self, path: str | Path, *, version: int = 0, name: str = "model",
-                 device: str | None = None, share_base: bool = False) -> None:
+                 device: str | None = None, share_base: bool = False,
+                 base: str | None = None) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from trainer.llm import lora, models
@@ -100,7 +102,7 @@ class Engine:
             from trainer.llm import adapters
 
             self.shared, self.adapter = adapters.attach(self.path, dtype=dtype,
-                                                        device=self.device)
+                                                        device=self.device, base=base)
             self.model, self.tokenizer, self.lock = (self.shared.model, self.shared.tokenizer,
                                                      self.shared.lock)
             weakref.finalize(self, self.shared.drop, self.adapter)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from django.core.management.base import BaseCommand, CommandError
 
 from lightning_site.console import progress_stream
-from trainer import progress
+from store import selectors as store_selectors
+from trainer import progress, selectors
 from trainer.management.commands.train import job_or_error
 
 
@@ -32,6 +33,9 @@ class Command(BaseCommand):
             fields += [f"{k}={m[k]:.4f}" for k in ("train_reward", "val_reward", "loss")
                        if isinstance(m.get(k), int | float)]
             self.stdout.write("  ".join(fields))
+        self.stdout.write(f"cost: job {selectors.job_usage(job=job).describe()}; project "
+                          f"{job.project.name} "
+                          f"{store_selectors.usage_totals(project=job.project).describe()}")
         if job.error:
             self.stdout.write(self.style.ERROR(job.error))
         if job.status == "failed":  # scripts see it: a failed job exits non-zero
