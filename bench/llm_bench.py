@@ -1,7 +1,10 @@
 """Benchmark of the LLM path. Prints figures; asserts nothing.
 
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/lightning_llm_bench \\
-        .venv/bin/python bench/llm_bench.py [--requests 400] [--skip-example]
+        .venv/bin/python bench/llm_bench.py [--mode overhead|peer|fairness] [--requests 400]
+        [--skip-example]
+
+`--mode overhead` (the default) runs 1-3 below; `--mode peer` runs 4, `--mode fairness` 5.
 
 1. Gateway overhead: 16 concurrent sessions, each calling the example's model through the
    gateway (`manage.py llm_serve`, its own process) over real HTTP with the official openai
@@ -14,6 +17,12 @@
    (`ignore_eos`), with the batcher's window against one request at a time (max_batch 1).
 3. The example's time to threshold: `manage.py train examples.llm_cipher` on the embedded
    default, its summary line.
+4. Against the peer (bench/llm_peer.py): the engine called directly, through our gateway and
+   through AGL 0.3's LiteLLM proxy in front of the same engine, at 1, 16 and 64 concurrent
+   sessions; last line `gateway overhead_p50_ms=.. overhead_p99_ms=.. litellm_overhead_p50_ms=..
+   sessions=16`.
+5. Fairness (bench/llm_fairness.py): project B's call latency alone and while project A floods
+   the gateway with many concurrent long streams; the ratio.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ import httpx  # noqa: E402
 import openai  # noqa: E402
 from django.conf import settings  # noqa: E402
 
+from bench import llm_fairness, llm_peer  # noqa: E402
 from bench.benchdb import empty_bench_database  # noqa: E402
 from examples.llm_cipher.model import base_checkpoint  # noqa: E402
 from store import services  # noqa: E402
@@ -211,9 +221,14 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=480)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--skip-example", action="store_true")
+    parser.add_argument("--mode", choices=["overhead", "peer", "fairness"], default="overhead")
     args = parser.parse_args()
     quiet_transformers()
     base_checkpoint(settings.MODELS_DIR)  # built before anything is timed
+    if args.mode == "peer":
+        return llm_peer.run(max_tokens=args.max_tokens)
+    if args.mode == "fairness":
+        return llm_fairness.run()
     overhead(args.requests, args.max_tokens)
     print(f"generated tokens/s at {SESSIONS} concurrent requests of 16 tokens:")
     batching(16, 8)

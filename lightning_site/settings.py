@@ -342,12 +342,15 @@ LLM_GATEWAY_MAX_TOKENS = env_int("LLM_GATEWAY_MAX_TOKENS", 4096, minimum=1)
 # Retry-After (trainer/llm/gateway.py). Batches take tenants in turn (trainer/llm/batcher.py).
 LLM_GATEWAY_MAX_SEQUENCES_PER_PROJECT = env_int("LLM_GATEWAY_MAX_SEQUENCES_PER_PROJECT", 256,
                                                 minimum=1)
-# Dynamic batching: requests arriving within this many milliseconds decode together, up to
-# LLM_GATEWAY_MAX_BATCH sequences.
+# Continuous batching (trainer/llm/batcher.py): at most LLM_GATEWAY_MAX_BATCH sequences decode
+# at once (a project with nothing decoding joins even a full batch); requests join a batch in
+# progress at its next step; when nothing decodes, the first request waits this many
+# milliseconds for others to start with it.
 LLM_GATEWAY_BATCH_WINDOW_MS = env_float("LLM_GATEWAY_BATCH_WINDOW_MS", 5.0, minimum=0.0)
 LLM_GATEWAY_MAX_BATCH = env_int("LLM_GATEWAY_MAX_BATCH", 64, minimum=1)
-# Calls the gateway serves at once; each holds a thread and its Postgres connection (README
-# "Deploy": the connection budget). Calls past it wait for a thread.
+# Threads for the gateway's database work (authentication, attribution, recording), each with
+# its Postgres connection (README "Deploy": the connection budget); a call holds one only
+# while it touches the database, not while it waits for the engine.
 LLM_GATEWAY_THREADS = env_int("LLM_GATEWAY_THREADS", 64, minimum=1)
 # LoRA versions as adapters on one shared copy of their base (trainer/llm/adapters.py: memory
 # for many jobs/versions of one base), instead of a merged copy each (fastest decoding; measured

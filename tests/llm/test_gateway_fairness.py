@@ -17,24 +17,74 @@ pytestmark = pytest.mark.slow
 MESSAGES = [{"role": "user", "content": "abc 7"}]
 
 
-def test_a_batch_takes_tenants_in_turn(gateway_server):
+def _greedy(ids, max_tokens, on_token=None, index=0):
+    return Sequence_(list(ids), Params(max_tokens=max_tokens, temperature=0.0,
+                                       ignore_eos=True), index=index, on_token=on_token)
+
+
+def test_a_request_joins_a_batch_in_progress_and_decodes_as_alone(gateway_server):
+    """Continuous batching: b's request starts at the next step of a's generation, finishes
+    while a is still decoding, and gets the tokens it gets alone."""
     gateway, _ = gateway_server
     engine = gateway.registry.by_name("tiny")
     ids = engine.tokenizer("abc 7")["input_ids"]
-    batcher = Batcher(window=0.5, max_batch=16)
+    room = engine.context - len(ids)
+    alone = _greedy(ids, 4)
+    engine.generate([alone])
+    batcher = Batcher(window=0.0, max_batch=16)
+    a_started, b_submitted = threading.Event(), threading.Event()
+    a_tokens_when_b_ended: list[int] = []
 
-    def job(tenant):
-        return batcher.submit(engine, [Sequence_(list(ids), Params(max_tokens=2, seed=i))
-                                       for i in range(8)], tenant=tenant)
+    def a_token(seq, *_):
+        a_started.set()
+        b_submitted.wait(30)  # a decodes on once b is queued: b joins a batch in progress
 
-    flood = [job("a") for _ in range(10)]  # 80 sequences of a, queued first
-    single = job("b")
-    assert single.done.wait(60) and single.error is None
-    # b rode in the first batch (16 sequences: a's oldest and b's), not after a's 80.
-    assert sum(j.done.is_set() for j in flood) <= 1
-    for j in flood:
-        assert j.done.wait(120) and j.error is None
-    assert batcher.batches == 6
+    a_seqs = [_greedy(ids, room, a_token, index=i) for i in range(4)]
+    a = batcher.submit(engine, a_seqs, tenant="a")
+    assert a_started.wait(30)
+
+    def b_token(seq, *_):
+        if seq.done:
+            a_tokens_when_b_ended.append(len(a_seqs[0].token_ids))
+
+    b = batcher.submit(engine, [_greedy(ids, 4, b_token)], tenant="b")
+    b_submitted.set()
+    assert b.done.wait(60) and b.error is None
+    assert a.done.wait(60) and a.error is None
+    assert b.sequences[0].token_ids == alone.token_ids
+    assert a_tokens_when_b_ended and a_tokens_when_b_ended[0] < room  # a was not done
+    assert all(len(s.token_ids) == room for s in a_seqs)
+    assert batcher.batches == 2 and batcher.largest == 5
+
+
+def test_a_tenant_with_nothing_decoding_joins_a_full_batch_before_the_flood(gateway_server):
+    """a's 4 requests of 4 sequences each, batch of 8: a's first two fill it; b's request
+    joins at once (over max_batch by b's one sequence), before a's queued two start."""
+    gateway, _ = gateway_server
+    engine = gateway.registry.by_name("tiny")
+    ids = engine.tokenizer("abc 7")["input_ids"]
+    room = engine.context - len(ids)
+    batcher = Batcher(window=0.3, max_batch=8)
+    a_started, b_submitted, order = threading.Event(), threading.Event(), []
+
+    def a_token(seq, *_):
+        a_started.set()
+        b_submitted.wait(30)  # a decodes on once b is queued
+
+    flood = [batcher.submit(engine, [_greedy(ids, room, a_token, index=i) for i in range(4)],
+                            tenant="a") for _ in range(4)]
+    assert a_started.wait(30)
+    b = batcher.submit(engine, [_greedy(ids, 3)], tenant="b")
+    b_submitted.set()
+    assert b.started.wait(60)
+    order.append(("b started", [j.started.is_set() for j in flood]))
+    assert b.done.wait(60) and b.error is None
+    order.append(("b done", [j.done.is_set() for j in flood]))
+    for job in flood:
+        assert job.done.wait(120) and job.error is None
+    assert order == [("b started", [True, True, False, False]),
+                     ("b done", [False, False, False, False])]
+    assert batcher.largest == 9
 
 
 def test_a_flooding_project_gets_429_and_another_keeps_being_served(gateway_server, keyed):
@@ -81,3 +131,42 @@ def test_a_flooding_project_gets_429_and_another_keeps_being_served(gateway_serv
     print(f"\nproject b's call: p50 alone {statistics.median(alone) * 1000:.1f} ms, "
           f"under a's flood {statistics.median(b_times) * 1000:.1f} ms; "
           f"a: {statuses.count(200)} served, {statuses.count(429)} refused (429)")
+
+
+def test_calls_waiting_for_the_engine_hold_no_thread(model_dir, keyed, settings):
+    """Two database threads; a's four calls wait for the engine (its lock held here): b is
+    still authenticated and answered, as each of a's calls once the engine is free. Before,
+    a waiting call held a thread, and b's authentication waited for a's generations."""
+    from trainer.llm.server import ServerThread, build_gateway
+
+    _, a_key, _, b_key = keyed
+    settings.LLM_GATEWAY_THREADS = 2
+    gateway = build_gateway(models=[f"tiny={model_dir}"])
+    server = ServerThread(gateway.app()).start()
+    base = f"http://127.0.0.1:{server.port}"
+    engine = gateway.registry.by_name("tiny")
+    results: list[int] = []
+
+    def a_call():
+        reply = httpx.post(f"{base}/v1/chat/completions", timeout=60,
+                           json={"model": "tiny", "messages": MESSAGES, "max_tokens": 2},
+                           headers={"Authorization": f"Bearer {a_key}"})
+        results.append(reply.status_code)
+
+    try:
+        with engine.lock:
+            threads = [threading.Thread(target=a_call) for _ in range(4)]
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 30
+            while gateway._in_flight.get(keyed[0].pk, 0) < 4 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert gateway._in_flight.get(keyed[0].pk) == 4  # all four admitted, waiting
+            reply = httpx.get(f"{base}/v1/models", timeout=10,
+                              headers={"Authorization": f"Bearer {b_key}"})
+            assert reply.status_code == 200 and not results
+        for t in threads:
+            t.join(60)
+        assert results == [200] * 4
+    finally:
+        server.stop()

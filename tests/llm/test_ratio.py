@@ -107,6 +107,16 @@ def test_sampling_distribution():
     assert {sampling.choose(nucleus, 1.0, generator) for _ in range(50)} == {0, 1}
 
 
+@pytest.mark.parametrize("settings", [SETTINGS * 4, [(0.7, 1.0), (1.3, 1.0)] * 8])
+def test_the_batch_distribution_is_each_rows_bit_for_bit(settings):
+    """The engine computes every row's distribution in one pass (sampling.logprobs_rows):
+    equal to `logprobs` row by row, so the recorded logprobs are those grpo_lm recomputes."""
+    logits = torch.randn(len(settings), 50, generator=torch.Generator().manual_seed(3)) * 4
+    rows = sampling.logprobs_rows(logits, [t for t, _ in settings], [p for _, p in settings])
+    for i, (t, p) in enumerate(settings):
+        assert torch.equal(rows[i], sampling.logprobs(logits[i], t, p))
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_a_shared_prefix_computed_once_gives_the_same_logprobs_and_gradients(tmp_path, arch):
     """grpo_lm runs the ids every row of a micro-batch starts with once (the system prompt,
@@ -146,7 +156,7 @@ def test_the_engine_runs_a_prompt_prefix_shared_by_the_batch_once(tiny, monkeypa
     """Prompts that start alike (an agent's system prompt and examples) decode as if each were
     alone: the shared prefix's cache computed once and repeated, the rows' own ids after it
     (left padding in between, masked), the same tokens and log-probabilities."""
-    from trainer.llm import engine as engine_module
+    from trainer.llm import decoding
 
     engine = Engine(tiny, device="cpu")
     prefix = "abc 123 def 456 ghi 789 jab 012 cde 345 "
@@ -159,9 +169,9 @@ def test_the_engine_runs_a_prompt_prefix_shared_by_the_batch_once(tiny, monkeypa
         engine.generate(seqs)
         return seqs
 
-    assert engine_module._shared_prefix(run(), {}) == len(prefix)
     shared = run()
-    monkeypatch.setattr(engine_module, "SHARED_MIN", 10**6)
+    assert decoding.shared_prefix([decoding.Row(s) for s in shared]) == len(prefix)
+    monkeypatch.setattr(decoding, "SHARED_MIN", 10**6)
     alone = run()
     for a, b in zip(shared, alone, strict=True):
         assert a.token_ids == b.token_ids

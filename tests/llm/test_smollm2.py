@@ -15,6 +15,7 @@ from trainer import conventions as c
 from trainer.algorithms import algorithm_load
 from trainer.algorithms.adapter import FinishedRollout
 from trainer.llm import models
+from trainer.llm.decoding import Decoding, Row
 from trainer.llm.engine import Engine, Params, Sequence_
 from trainer.llm.tokenizer import render_chat
 
@@ -137,3 +138,31 @@ def test_four_adapters_over_one_base_cost_little_more_than_one(smollm2, tmp_path
     figures = json.loads(done.stdout.strip().splitlines()[-1])
     print("\nsmollm2 adapters:", json.dumps(figures))
     assert figures["extra_over_one"] <= 0.10, figures
+
+
+def test_sequences_joining_a_batch_in_progress_decode_as_alone(smollm2):
+    """Continuous batching on a rotary-position model (Llama): rows that join a batch at its
+    3rd and 4th step (caches padded on the left) give the tokens they give alone (greedy)."""
+    _, engine = smollm2
+    prompts = [engine.tokenizer(t)["input_ids"]
+               for t in ("The capital of France is", "1, 2, 3, 4,", "Hello")]
+
+    def greedy(ids):
+        return Sequence_(list(ids), Params(max_tokens=8, temperature=0.0, ignore_eos=True))
+
+    alone = []
+    for ids in prompts:
+        seq = greedy(ids)
+        engine.generate([seq])
+        alone.append(seq.token_ids)
+    seqs = [greedy(ids) for ids in prompts]
+    running, _ = Decoding.start(engine, [Row(seqs[0])])
+    assert running.joinable()
+    for seq in seqs[1:]:
+        running.step()
+        running.step()
+        joining, _ = Decoding.start(engine, [Row(seq)])
+        running.join(joining)
+    while running.rows:
+        assert not running.step()
+    assert [s.token_ids for s in seqs] == alone

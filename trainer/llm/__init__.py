@@ -3,7 +3,8 @@ records every attributed call's token ids as a span, and the pieces `grpo_lm` tr
 
 - tokenizer.py: tokenizers built with `tokenizers` (the examples ship no files) and chat prompts;
 - engine.py: one loaded checkpoint (Hugging Face model classes) decoding a batch of requests;
-- batcher.py: dynamic batching of concurrent requests onto engines;
+- decoding.py: a batch decoded step by step, which sequences join and leave between steps;
+- batcher.py: continuous batching of concurrent requests onto engines, projects in turn;
 - registry.py: which checkpoint versions are loaded (hot reload, at most N at once);
 - calls.py: an LLM call as a span of its attempt (AGL 0.3's attribute names);
 - openai_api.py: the OpenAI request/response shapes; gateway.py: the Starlette app;

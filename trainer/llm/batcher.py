@@ -1,13 +1,23 @@
-"""Dynamic batching: concurrent requests decode together, tenants served in turn.
+"""Continuous batching: concurrent requests decode together, tenants served in turn.
 
-Callers `submit` sequences for an engine (and the tenant they are for) and wait; one thread
-takes whatever arrived within `window` seconds of the first waiting request and composes a
-batch of up to `max_batch` sequences **round-robin over tenants** (one request of each tenant in
-turn, each tenant's oldest first), so a tenant with hundreds of requests queued does not push
-another's single request out of the next batch; what does not fit waits, ahead of newer
-requests of its tenant. The batch is grouped by engine (checkpoint version; LoRA versions of
-one base together, adapters.py) and each group decoded in one batch. Requests that arrive
-while a batch decodes wait for the next one.
+Callers `submit` sequences for an engine (and the tenant they are for) and wait. One thread
+decodes: a batch advances one token per step for every sequence in it (decoding.py), and
+between steps the requests that arrived **join** it (new sequences start at the next step,
+finished ones leave at once), so a request never waits for another's whole generation. When
+nothing decodes, the first request waits `window` seconds for others to start with it.
+
+At most `max_batch` sequences decode at once. Waiting requests join **round-robin over
+tenants** (one request of each tenant in turn, each tenant's oldest first), so a tenant with
+hundreds of requests queued does not keep another's single request out; and a tenant with
+nothing decoding always joins at the next step, even when the batch is full (it then holds
+more than `max_batch` by that tenant's request until sequences leave): one tenant's long
+generations never hold every slot against another. Requests of one engine (checkpoint version;
+LoRA versions of one base together, adapters.py) decode in one batch; batches of different
+engines take steps in turn.
+
+A decode failure fails only its own request: a request whose start fails with others is
+started again alone, and a sampling error ends only its sequence's request. A step's forward
+pass failing fails the requests of that batch.
 """
 
 from __future__ import annotations
@@ -17,8 +27,10 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from trainer.llm.decoding import Decoding, Row
 from trainer.llm.engine import Engine, Sequence_
 
 log = logging.getLogger(__name__)
@@ -31,6 +43,8 @@ class Job:
     tenant: object = None
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
+    started: threading.Event = field(default_factory=threading.Event)  # in a batch
+    on_done: Callable[[Job], None] | None = None  # called on the decoding thread
 
 
 class Batcher:
@@ -39,13 +53,15 @@ class Batcher:
         self._queue: queue.Queue[Job] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="llm-batcher", daemon=True)
         self._thread.start()
-        self.batches = 0  # decoded batches, for tests and the bench
-        self.largest = 0
+        self.batches = 0  # starts (requests that joined together), for tests and the bench
+        self.largest = 0  # most sequences decoding at once
+        self.steps = 0
 
-    def submit(self, engine: Engine, sequences: list[Sequence_], tenant: object = None) -> Job:
+    def submit(self, engine: Engine, sequences: list[Sequence_], tenant: object = None,
+               on_done: Callable[[Job], None] | None = None) -> Job:
         for seq in sequences:
             engine.check_prompt(seq.prompt_ids)
-        job = Job(engine, sequences, tenant)
+        job = Job(engine, sequences, tenant, on_done=on_done)
         self._queue.put(job)
         return job
 
@@ -58,86 +74,172 @@ class Batcher:
         if job.error is not None:
             raise job.error
 
+    # --- the decoding thread ------------------------------------------------------------------
     def _loop(self) -> None:
         waiting: dict[object, deque[Job]] = {}  # per tenant, oldest first; insertion = turn
+        running: dict[object, Decoding] = {}  # per batch key
         while True:
-            if not waiting:
-                self._take(waiting, self._queue.get())
-            deadline = time.monotonic() + self.window
-            while True:  # everything that arrives within the window is seen before choosing
-                left = deadline - time.monotonic()
-                try:
-                    job = self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                self._take(waiting, job)
-            jobs = self._compose(waiting)
-            by_engine: dict[int, list[Job]] = {}  # LoRA adapters of one base: one batch
-            for job in jobs:
-                by_engine.setdefault(getattr(job.engine, "batch_key", id(job.engine)),
-                                     []).append(job)
-            for group in by_engine.values():
-                self._decode(group)
+            try:
+                if not running:
+                    if not waiting:
+                        self._take(waiting, self._queue.get())
+                    self._gather(waiting, time.monotonic() + self.window)
+                else:
+                    self._gather(waiting, 0.0)
+                self._join(self._compose(waiting, running), running)
+                for key in list(running):
+                    self._step(running, key)
+            except Exception:  # never let the decoding thread die
+                log.exception("the batcher's loop failed")
+
+    def _gather(self, waiting: dict[object, deque[Job]], deadline: float) -> None:
+        while True:  # everything that arrived (or arrives before the deadline)
+            left = deadline - time.monotonic()
+            try:
+                job = self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait()
+            except queue.Empty:
+                return
+            self._take(waiting, job)
 
     @staticmethod
     def _take(waiting: dict[object, deque[Job]], job: Job) -> None:
         waiting.setdefault(job.tenant, deque()).append(job)
 
-    def _compose(self, waiting: dict[object, deque[Job]]) -> list[Job]:
-        """One request per tenant in turn until the batch is full (the first always goes,
-        whatever its size); a tenant served moves to the back of the turn."""
+    def _compose(self, waiting: dict[object, deque[Job]],
+                 running: dict[object, Decoding]) -> list[Job]:
+        """The waiting requests that join now: one per tenant in turn while they fit in
+        max_batch; a tenant with nothing decoding joins whatever the size. A tenant served
+        moves to the back of the turn."""
+        held: dict[object, int] = {}
+        for decoding in running.values():
+            for row in decoding.rows:
+                held[row.owner.tenant] = held.get(row.owner.tenant, 0) + 1
+        size = sum(held.values())
         jobs: list[Job] = []
-        size = 0
         while waiting:
             progressed = False
             for tenant in list(waiting):
                 queue_ = waiting[tenant]
-                if jobs and size + len(queue_[0].sequences) > self.max_batch:
+                fits = size + len(queue_[0].sequences) <= self.max_batch
+                if not fits and held.get(tenant, 0):
                     continue
                 job = queue_.popleft()
                 jobs.append(job)
                 size += len(job.sequences)
+                held[tenant] = held.get(tenant, 0) + len(job.sequences)
                 progressed = True
                 del waiting[tenant]  # to the back of the turn, or gone if it has no more
                 if queue_:
                     waiting[tenant] = queue_
-            if not progressed or size >= self.max_batch:
+            if not progressed:
                 break
         return jobs
 
-    def _decode(self, jobs: list[Job]) -> None:
-        sequences = [seq for job in jobs for seq in job.sequences]
-        self.batches += 1
-        self.largest = max(self.largest, len(sequences))
+    def _join(self, jobs: list[Job], running: dict[object, Decoding]) -> None:
+        groups: dict[object, list[Job]] = {}  # LoRA adapters of one base: one batch
+        for job in jobs:
+            groups.setdefault(_key(job.engine), []).append(job)
+        for key, group in groups.items():
+            self.batches += 1
+            started = self._start(group)
+            if started is None:
+                continue
+            current = running.get(key)
+            if current is not None and current.rows and current.joinable() \
+                    and started.joinable():
+                current.join(started)
+            elif current is None or not current.rows:
+                running[key] = started
+            else:  # a cache we cannot merge: a batch of its own, stepped in turn
+                running[(key, id(started))] = started
+            self.largest = max(self.largest, sum(len(d.rows) for d in running.values()))
+
+    def _start(self, jobs: list[Job]) -> Decoding | None:
+        """The jobs' prompts through the model together; if that fails, each alone (only the
+        job at fault fails). None when nothing is left decoding."""
+        rows = [Row(seq, adapter=job.engine.adapter, owner=job)
+                for job in jobs for seq in job.sequences]
+        engine = jobs[0].engine
         try:
-            if len(jobs) > 1 and getattr(jobs[0].engine, "shared", None) is not None:
-                jobs[0].engine.generate(sequences, [job.engine.adapter for job in jobs
-                                                    for _ in job.sequences])
-            else:
-                jobs[0].engine.generate(sequences)
-        except BaseException as exc:
+            with engine.lock:
+                decoding, failures = Decoding.start(engine, rows)
+        except Exception as exc:
             if len(jobs) == 1:
-                log.exception("a request of %d sequences failed", len(sequences))
-                jobs[0].error = exc
-            else:  # one bad request must not fail its neighbours: each again, alone
-                log.warning("batch of %d requests failed (%s); decoding each alone",
-                            len(jobs), exc)
-                for job in jobs:
-                    self._alone(job)
-        finally:
+                log.warning("a request of %d sequences failed: %s", len(rows), exc)
+                self._finish(jobs[0], exc)
+                return None
+            log.warning("%d requests failed to start together (%s); starting each alone",
+                        len(jobs), exc)
+            started = None
             for job in jobs:
-                job.done.set()
+                one = self._start([job])
+                if one is None:
+                    continue
+                if started is None:
+                    started = one
+                elif started.joinable() and one.joinable():
+                    started.join(one)
+                else:  # cannot merge: decode this one to its end now
+                    self._drain(one)
+            return started
+        for job in jobs:
+            job.started.set()
+        self._settle(decoding, failures, jobs)
+        return decoding if decoding.rows else None
+
+    def _step(self, running: dict[object, Decoding], key: object) -> None:
+        decoding = running[key]
+        jobs = {id(r.owner): r.owner for r in decoding.rows}
+        self.steps += 1
+        try:
+            with decoding.engine.lock:
+                failures = decoding.step()
+        except Exception as exc:
+            log.exception("a decode step of %d sequences failed", len(decoding.rows))
+            for job in jobs.values():
+                self._finish(job, exc)
+            del running[key]
+            return
+        self._settle(decoding, failures, list(jobs.values()))
+        if not decoding.rows:
+            del running[key]
+
+    def _drain(self, decoding: Decoding) -> None:
+        while decoding.rows:
+            jobs = list({id(r.owner): r.owner for r in decoding.rows}.values())
+            with decoding.engine.lock:
+                failures = decoding.step()
+            self._settle(decoding, failures, jobs)
+
+    def _settle(self, decoding: Decoding, failures: list, jobs: list[Job]) -> None:
+        """Jobs with a failed sequence fail (their other rows leave); jobs whose sequences
+        are all done are done."""
+        failed = {}
+        for failure in failures:
+            failed.setdefault(id(failure.row.owner), failure.error)
+        if failed:
+            decoding.drop(lambda row: id(row.owner) in failed)
+        for job in jobs:
+            if job.done.is_set():
+                continue
+            if id(job) in failed:
+                log.warning("a request of %d sequences failed: %s", len(job.sequences),
+                            failed[id(job)])
+                self._finish(job, failed[id(job)])
+            elif all(seq.done for seq in job.sequences):
+                self._finish(job, None)
 
     @staticmethod
-    def _alone(job: Job) -> None:
-        if any(seq.on_token is not None and seq.token_ids for seq in job.sequences):
-            # Its tokens were already streamed to the caller: it cannot start over.
-            job.error = RuntimeError("the batch this streamed request decoded in failed")
-            return
-        for seq in job.sequences:
-            seq.reset()
-        try:
-            job.engine.generate(job.sequences)
-        except Exception as exc:  # this request's own failure
-            log.exception("a request of %d sequences failed", len(job.sequences))
-            job.error = exc
+    def _finish(job: Job, error: BaseException | None) -> None:
+        job.error = error
+        job.started.set()
+        job.done.set()
+        if job.on_done is not None:
+            try:
+                job.on_done(job)
+            except Exception:  # e.g. the caller's event loop closed: nobody waits any more
+                log.warning("a finished request's callback failed", exc_info=True)
+
+
+def _key(engine: Engine) -> object:
+    return getattr(engine, "batch_key", id(engine))

@@ -5,7 +5,8 @@ directory (safetensors weights, config, tokenizer files) with `AutoModelForCausa
 `AutoTokenizer` (or anything models.resolve takes: a known name, a GGUF file; or a LoRA
 checkpoint: its base with the adapter merged in, lora.py), on CUDA when the process has it.
 `generate` decodes a batch of sequences of different prompts and sampling settings in one
-forward pass per token (left padding, a KV cache), and reports each generated token to its
+forward pass per token (left padding, a KV cache; decoding.py, which the batcher also uses to
+let requests join a batch in progress), and reports each generated token to its
 sequence as it comes (streaming), with its log-probability under the distribution it was
 sampled from (sampling.py: the request's temperature and top_p, greedy = argmax, computed in
 float32 from the model's logits; `Sequence_.logprobs_of` says so, with the model's dtype,
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-from trainer.llm import sampling
+from trainer.llm import decoding
 
 TokenCallback = Callable[["Sequence_", int, float, list[tuple[int, float]]], None]
 
@@ -140,60 +141,22 @@ class Engine:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    @torch.inference_mode()
     def generate(self, sequences: list[Sequence_], adapters: list[str | None] | None = None,
                  ) -> None:
-        """Decode every sequence to its end (EOS, a stop string, max_tokens or the context).
-        `adapters`: each sequence's adapter on this engine's shared base (the batcher's
-        mixed-adapter batches; default: this engine's)."""
+        """Decode every sequence to its end (EOS, a stop string, max_tokens or the context),
+        together (decoding.py). `adapters`: each sequence's adapter on this engine's shared
+        base (default: this engine's). The first sequence that fails raises."""
         for seq in sequences:
             self.check_prompt(seq.prompt_ids)
-        extra = {}
-        if self.shared is not None:
-            names = adapters if adapters is not None else [self.adapter] * len(sequences)
-            extra["adapter_names"] = [n or "__base__" for n in names]
+        names = adapters if adapters is not None else [self.adapter] * len(sequences)
+        rows = [decoding.Row(seq, adapter=name) for seq, name in zip(sequences, names,
+                                                                     strict=True)]
         with self.lock:
-            self._generate(sequences, extra)
-
-    def _generate(self, sequences: list[Sequence_], extra: dict[str, Any]) -> None:
-        width = max(len(s.prompt_ids) for s in sequences)
-        rows = [[self.pad_id] * (width - len(s.prompt_ids)) + list(s.prompt_ids)
-                for s in sequences]
-        mask = [[0] * (width - len(s.prompt_ids)) + [1] * len(s.prompt_ids) for s in sequences]
-        input_ids = torch.tensor(rows, device=self.device)
-        attention = torch.tensor(mask, device=self.device)
-        budget = [min(s.params.max_tokens, self.context - len(s.prompt_ids)) for s in sequences]
-        generators = [_generator(s.params.seed, s.index) for s in sequences]
-        for seq in sequences:
-            seq.logprobs_of = f"{sampling.SAMPLED}:{self.dtype_name}"
-        past, shared = None, _shared_prefix(sequences, extra)
-        if shared:  # the prefix every prompt starts with, computed once (see _shared_prefix)
-            input_ids, attention = _prefix_first(sequences, shared, self.pad_id, self.device)
-            head = self.model(input_ids=input_ids[:1, :shared], use_cache=True,
-                              **_first_row(extra))
-            past = getattr(head, "cache", None) or head.past_key_values
-            past.batch_repeat_interleave(len(sequences))
-        for _ in range(max(budget)):
-            positions = (attention.cumsum(-1) - 1).clamp(min=0)
-            step_ids = input_ids[:, shared:] if past is None or shared else input_ids[:, -1:]
-            step_pos = positions[:, shared:] if past is None or shared else positions[:, -1:]
-            shared = 0
-            out = self.model(input_ids=step_ids, attention_mask=attention, position_ids=step_pos,
-                             use_cache=True, **{self._cache_arg: past}, **extra)
-            past = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-            logits = out.logits[:, -1, :].float()
-            chosen = [self.pad_id] * len(sequences)
-            for i, seq in enumerate(sequences):
-                if not seq.done:
-                    p = seq.params
-                    logprobs = sampling.logprobs(logits[i], p.temperature, p.top_p)
-                    chosen[i] = sampling.choose(logprobs, p.temperature, generators[i])
-                    self._advance(seq, chosen[i], logprobs, budget[i])
-            if all(s.done for s in sequences):
-                break
-            next_ids = torch.tensor(chosen, device=self.device).unsqueeze(1)
-            input_ids = torch.cat([input_ids, next_ids], dim=1)
-            attention = torch.cat([attention, torch.ones_like(next_ids)], dim=1)
+            running, failures = decoding.Decoding.start(self, rows)
+            while running.rows and not failures:
+                failures = running.step()
+        if failures:
+            raise failures[0].error
 
     def _advance(self, seq: Sequence_, token: int, logprobs: torch.Tensor, budget: int) -> None:
         logprob = float(logprobs[token])
@@ -219,56 +182,9 @@ class Engine:
             seq.on_token(seq, token, logprob, top)
 
 
-# A prefix of at least this many ids common to every prompt of a batch runs once (an agent's
-# system prompt, tools and worked examples: most of each prompt).
-SHARED_MIN = 32
-
-
-def _shared_prefix(sequences: list[Sequence_], extra: dict[str, Any]) -> int:
-    """How many leading prompt ids every sequence of the batch shares (0 when under
-    SHARED_MIN, for a single sequence, or when the rows decode with different adapters,
-    whose caches differ). Each prompt keeps at least one id of its own."""
-    names = extra.get("adapter_names")
-    if len(sequences) < 2 or (names and len(set(names)) > 1):
-        return 0
-    first, limit = sequences[0].prompt_ids, min(len(s.prompt_ids) for s in sequences) - 1
-    k = 0
-    while k < limit and all(s.prompt_ids[k] == first[k] for s in sequences[1:]):
-        k += 1
-    return k if k >= SHARED_MIN else 0
-
-
-def _prefix_first(sequences: list[Sequence_], shared: int, pad_id: int,
-                  device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of the shared prefix, then left padding, then each prompt's own ids; the padding
-    masked out (positions count only attended ids, so each row's own ids sit where they
-    would without the padding)."""
-    width = max(len(s.prompt_ids) for s in sequences) - shared
-    rows, mask = [], []
-    for s in sequences:
-        own = list(s.prompt_ids[shared:])
-        rows.append(list(s.prompt_ids[:shared]) + [pad_id] * (width - len(own)) + own)
-        mask.append([1] * shared + [0] * (width - len(own)) + [1] * len(own))
-    return torch.tensor(rows, device=device), torch.tensor(mask, device=device)
-
-
-def _first_row(extra: dict[str, Any]) -> dict[str, Any]:
-    return {k: v[:1] for k, v in extra.items()}
-
-
 def _first_stop(text: str, stops: Sequence[str]) -> int | None:
     found = [text.find(s) for s in stops if s and s in text]
     return min(found) if found else None
-
-
-def _generator(seed: int | None, index: int) -> torch.Generator:
-    generator = torch.Generator()
-    if seed is None:
-        generator.seed()
-    else:
-        # Any 64-bit seed (OpenAI's clients send them): torch takes at most 2**64 - 1.
-        generator.manual_seed((int(seed) * 1_000_003 + index) % 2**63)
-    return generator
 
 
 def _eos_ids(tokenizer: Any, config: Any) -> set[int]:

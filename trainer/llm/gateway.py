@@ -46,8 +46,9 @@ from trainer.llm.registry import Registry, Space, UnknownModel
 from trainer.llm.turns import Turns
 
 log = logging.getLogger(__name__)
-# Threads that run calls (each holds one, with its database connection, while it waits for
-# its batch): the gateway's share of Postgres connections (README "Deploy", the budget).
+# Threads that do a call's database work (authentication, attribution, recording; each with
+# its connection; none waits for the engine): the gateway's share of Postgres connections
+# (README "Deploy", the budget).
 DB_THREADS = 64
 
 
@@ -190,8 +191,9 @@ class Gateway:
                 chunks = self._stream(prepared, started, admitted)
                 admitted = (None, 0)  # the stream's work releases it when it ends
                 return StreamingResponse(chunks, media_type="text/event-stream")
-            # One trip to a worker thread: prepare, generate (waiting for its batch), record.
-            prepared = await self._in_thread(self._call, request, parsed, started, project)
+            prepared = await self._in_thread(self._prepare, request, parsed, project)
+            await self._generate(prepared)
+            await self._in_thread(self._record, prepared, started)
         except BadRequest as exc:
             return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
         finally:
@@ -333,32 +335,37 @@ class Gateway:
             raise BadRequest(f"the rollout's checkpoint cannot be loaded: {exc}", "model",
                              status=422, code="checkpoint_unavailable") from None
 
-    def _call(self, request: Request, parsed: Parsed, started: float,
-              project: Project | None = None) -> _Prepared:
-        prepared = self._prepare(request, parsed, project)
-        self._generate(prepared)
-        self._record(prepared, started)
-        return prepared
-
-    def _generate(self, prepared: _Prepared) -> None:
+    async def _generate(self, prepared: _Prepared) -> None:
+        """The call's sequences decoded. No thread waits for the engine: the batcher wakes
+        this coroutine (one tenant's long generations cannot hold every worker thread, and
+        with them another tenant's authentication and recording)."""
+        began = time.perf_counter()
         if self.upstream is not None:
-            began = time.perf_counter()
             try:
-                self.upstream.complete(prepared)
+                await self._in_thread(self.upstream.complete, prepared)
             finally:
                 if prepared.lease is not None:
                     self.upstream_loras.release(prepared.lease)
             prepared.engine_seconds = time.perf_counter() - began
             return
-        began = time.perf_counter()
-        self.batcher.run(prepared.engine, prepared.choices, tenant=prepared.project.pk)
-        prepared.engine_seconds = time.perf_counter() - began
+        loop = asyncio.get_running_loop()
+        finished = loop.create_future()
 
-    def _generate_and_record(self, prepared: _Prepared, started: float,
-                             admitted: tuple[int, int]) -> None:
+        def wake(job) -> None:  # on the batcher's thread
+            loop.call_soon_threadsafe(lambda: finished.done() or finished.set_result(None))
+
+        job = self.batcher.submit(prepared.engine, prepared.choices, tenant=prepared.project.pk,
+                                  on_done=wake)
+        await finished
+        prepared.engine_seconds = time.perf_counter() - began
+        if job.error is not None:
+            raise job.error
+
+    async def _generate_and_record(self, prepared: _Prepared, started: float,
+                                   admitted: tuple[int, int]) -> None:
         try:
-            self._generate(prepared)
-            self._record(prepared, started)
+            await self._generate(prepared)
+            await self._in_thread(self._record, prepared, started)
         finally:
             self._release(*admitted)
 
@@ -448,8 +455,7 @@ class Gateway:
             seq.on_token = on_token
         # Generation and recording in one piece of work that does not depend on this stream:
         # a client that leaves (even at the last token) does not stop its call being recorded.
-        work = asyncio.ensure_future(self._in_thread(self._generate_and_record, prepared,
-                                                     started, admitted))
+        work = asyncio.ensure_future(self._generate_and_record(prepared, started, admitted))
         return self._chunks(prepared, created, events, finals, work)
 
     async def _chunks(self, prepared: _Prepared, created: int, events: asyncio.Queue,
