@@ -113,6 +113,18 @@ def test_an_async_job_plans_ahead_and_trains_steps_in_order_within_the_bound(mon
     assert count == 6  # one version per training step, none more
 
 
+def test_an_async_run_without_replans_reproduces_its_checkpoints(monkeypatch):
+    sent = capture_sends(monkeypatch)
+    shas = []
+    for _ in range(2):
+        job = drive(services.job_start(job_id=make_job(steps=3, max_staleness=1).pk), sent)
+        assert job.status == JobStatus.SUCCEEDED, job.error
+        shas.append([v.resources["checkpoint"]["sha256"] for v in
+                     ResourceVersion.objects.filter(resource_set__resources_id=job.resources_id)
+                     .order_by("version")])
+    assert shas[0] == shas[1] and len(shas[0]) == 4
+
+
 def test_groups_past_the_bound_are_planned_again_and_counted(monkeypatch):
     sent = capture_sends(monkeypatch)
     # A gateway one checkpoint behind: each sample is a version older than its pin, so a
