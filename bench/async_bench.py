@@ -1,8 +1,8 @@
 """Asynchronous against synchronous training on a long-tailed agent. Prints figures; asserts
 nothing.
 
-    .venv/bin/python bench/async_bench.py [--steps 12] [--bound 2] [--concurrency 32]
-        [--median 0.2] [--sigma 1.2]
+    .venv/bin/python bench/async_bench.py [--steps 12] [--bound 2] [--concurrency 64]
+        [--median 0.5] [--sigma 1.2]
 
 The same cipher-MLP GRPO job (the example's config, `--steps` training steps, validation every
 4 and after the last update) runs twice in this process, `max_staleness=0` then
@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 # The agent's sleep (read from the environment so worker processes draw the same ones).
-MEDIAN = float(os.environ.get("ASYNC_BENCH_MEDIAN", "0.2"))
+MEDIAN = float(os.environ.get("ASYNC_BENCH_MEDIAN", "0.5"))
 SIGMA = float(os.environ.get("ASYNC_BENCH_SIGMA", "1.2"))
 
 
@@ -179,7 +179,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--bound", type=int, default=2)
-    parser.add_argument("--concurrency", type=int, default=32, help="rollout slots")
+    parser.add_argument("--concurrency", type=int, default=64, help="rollout slots")
     parser.add_argument("--median", type=float, default=MEDIAN)
     parser.add_argument("--sigma", type=float, default=SIGMA)
     args = parser.parse_args()
