@@ -55,6 +55,24 @@ def env_int(name: str, default: int, *, minimum: int | None = None) -> int:
     return value
 
 
+def env_prices(name: str, default: dict[str, float]) -> dict[str, float]:
+    """`name=price,name=price` (a price >= 0 each; `*` names the default), in the given order."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return dict(default)
+    prices: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in raw.split(","))):
+        key, sep, value = item.rpartition("=")
+        try:
+            price = float(value)
+        except ValueError:
+            price = -1.0
+        if not sep or not key.strip() or price < 0:
+            raise ImproperlyConfigured(f"{name}={raw!r}: {item!r} is not name=price (price >= 0)")
+        prices[key.strip()] = price
+    return prices
+
+
 def env_list(name: str, default: list[str]) -> list[str]:
     raw = os.environ.get(name)
     if raw is None:

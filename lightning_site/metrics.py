@@ -37,7 +37,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from runners.selectors import queue_states
-from store.models import Attempt, ResourceSet, Rollout, Span
+from store.models import Attempt, ResourceSet, Rollout, Span, UsageEntry
 from store.statemachine import ATTEMPT_LIVE, QUEUED, ROLLOUT_TERMINAL, AttemptStatus
 from trainer import selectors as trainer_selectors
 from trainer.models import JobStatus, StepStatus, TrainingJob, TrainingStep
@@ -117,6 +117,21 @@ class StoreCollector(Collector):
         yield from self._durations()
         yield from self._finished()
         yield from self._step_history()
+        yield from self._ledger()
+
+    def _ledger(self) -> Iterator[CounterMetricFamily]:
+        """The cost ledger's totals per project (append-only rows: counters)."""
+        sums = list(UsageEntry.objects.values_list("project__name").annotate(
+            cpu=Sum("cpu_seconds"), gpu=Sum("gpu_seconds"), tokens=Sum("tokens"),
+            cost=Sum("cost")).order_by())
+        for name, index, doc in (
+            ("lightning_usage_cpu_seconds", 1, "CPU-seconds of attempts and training steps"),
+            ("lightning_usage_gpu_seconds", 2, "GPU-seconds (wall x devices held)"),
+            ("lightning_usage_tokens", 3, "Tokens the model gateway generated for attempts"),
+            ("lightning_cost", 4, "Cost of the ledger's rows at the price list of their time"),
+        ):
+            yield _counter(name, f"{doc}, by project (the cost ledger)", ["project"],
+                           (((row[0],), row[index]) for row in sums))
 
     def _finished(self) -> Iterator[CounterMetricFamily]:
         """Counters read from the rows (ended rows never change back), so rates come from
@@ -175,6 +190,8 @@ class StoreCollector(Collector):
                      "Worker slots still running an agent whose attempt the store already ended "
                      "(freed within RUNNERS_STOP_GRACE_SECONDS in prefork pools)",
                      ["queue"], (((q.queue,), q.held_by_ended) for q in states))
+        yield from _scaling(states)
+
 
     def _training(self) -> Iterator[GaugeMetricFamily]:
         wait, train = [], []
@@ -225,6 +242,19 @@ class StoreCollector(Collector):
             yield _gauge("lightning_spans_ingested", "Spans written to the store since its "
                          "statistics were reset (Postgres pg_stat_user_tables)", [],
                          iter([((), row[0])]))
+
+
+def _scaling(states) -> Iterator[GaugeMetricFamily]:
+    """The scaling signal per queue (lightning_site/scaling.py; KEDA reads the last one)."""
+    loads = [(q.queue, q.load) for q in states if q.load is not None]
+    for name, attr, doc in (
+        ("lightning_queue_queued", "queued", "Work waiting for a worker of the queue"),
+        ("lightning_queue_running", "running", "Work a worker of the queue is running"),
+        ("lightning_queue_slots_live", "slots", "Slots (concurrency) of the queue's live workers"),
+        ("lightning_desired_workers", "desired_workers", "Workers the queue wants: "
+         "ceil((queued + running) / slots per worker), within SCALE_<QUEUE>_MIN/MAX_WORKERS"),
+    ):
+        yield _gauge(name, doc, ["queue"], (((q,), getattr(load, attr)) for q, load in loads))
 
 
 def _histogram(name: str, documentation: str, rows, project: str,

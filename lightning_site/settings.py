@@ -13,6 +13,7 @@ from lightning_site.env import (
     env_float,
     env_int,
     env_list,
+    env_prices,
     env_str,
     sqlite_database,
 )
@@ -168,6 +169,13 @@ STORE_QUEUE_TIMEOUT_SECONDS = env_float("STORE_QUEUE_TIMEOUT_SECONDS", 0.0, mini
 # A claimed attempt that never reports (no heartbeat, status or span) is unresponsive after this
 # many seconds whatever its config: a lost dequeue answer never strands a rollout. 0: no bound.
 STORE_FIRST_REPORT_SECONDS = env_float("STORE_FIRST_REPORT_SECONDS", 300.0, minimum=0.0)
+# The price list of the cost ledger (README "Cost"), applied when a ledger row is written:
+# per CPU-second, per GPU-second by device type (the first name contained in the device's
+# name, else "*"), per 1000 tokens the model gateway generated. Units are the operator's.
+COST_PER_CPU_SECOND = env_float("COST_PER_CPU_SECOND", 0.00001, minimum=0.0)
+COST_PER_GPU_SECOND = env_prices("COST_PER_GPU_SECOND", {"H200": 0.0012, "H100": 0.001,
+                                                        "A100": 0.0006, "*": 0.0004})
+COST_PER_1K_TOKENS = env_float("COST_PER_1K_TOKENS", 0.0002, minimum=0.0)
 
 # --- The REST API (store/api; README "Runner API") ------------------------------------------
 REST_FRAMEWORK = {
@@ -279,6 +287,17 @@ EMBEDDED_ROLLOUT_CONCURRENCY = env_int("EMBEDDED_ROLLOUT_CONCURRENCY", 4, minimu
 # more calls arrive together, the larger the gateway's batches.
 EMBEDDED_LLM_ROLLOUT_CONCURRENCY = env_int("EMBEDDED_LLM_ROLLOUT_CONCURRENCY", 16, minimum=1)
 
+# --- The scaling signal (lightning_site/scaling.py, README "Scaling") ---------------------------
+# lightning_desired_workers{queue} = ceil((queued + running) / slots per worker), kept within
+# [MIN, MAX]. Slots per worker: what `celery -c` gives one worker; 0 takes the mean concurrency
+# of the queue's live workers (1 when none is live).
+SCALE_ROLLOUTS_MIN_WORKERS = env_int("SCALE_ROLLOUTS_MIN_WORKERS", 1, minimum=0)
+SCALE_ROLLOUTS_MAX_WORKERS = env_int("SCALE_ROLLOUTS_MAX_WORKERS", 20, minimum=0)
+SCALE_ROLLOUTS_SLOTS_PER_WORKER = env_int("SCALE_ROLLOUTS_SLOTS_PER_WORKER", 0, minimum=0)
+SCALE_TRAINING_MIN_WORKERS = env_int("SCALE_TRAINING_MIN_WORKERS", 0, minimum=0)
+SCALE_TRAINING_MAX_WORKERS = env_int("SCALE_TRAINING_MAX_WORKERS", 4, minimum=0)
+SCALE_TRAINING_SLOTS_PER_WORKER = env_int("SCALE_TRAINING_SLOTS_PER_WORKER", 1, minimum=0)
+
 # --- The worker registry and the periodic control work ----------------------------------------
 # Celery workers heartbeat this often; silent for WORKERS_LOST_AFTER_SECONDS, they are "lost".
 WORKERS_HEARTBEAT_SECONDS = env_float("WORKERS_HEARTBEAT_SECONDS", 15.0, minimum=0.1)
@@ -335,6 +354,11 @@ LLM_GATEWAY_THREADS = env_int("LLM_GATEWAY_THREADS", 64, minimum=1)
 # on SmolLM2-135M, 2 busy CPU cores: 24.6 against 29.3 tokens/s with one torch thread, 6.7
 # against 47.5 with two; README "Pretrained models and LoRA").
 LLM_GATEWAY_SHARE_BASE = env_bool("LLM_GATEWAY_SHARE_BASE", False)
+# vLLM's runtime LoRA endpoints (`POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter`;
+# vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING) on this gateway, for algorithm/admin keys, each
+# adapter in its key's project (trainer/llm/runtime_lora.py). Off: the routes are 404.
+LLM_GATEWAY_ALLOW_RUNTIME_LORA_UPDATING = env_bool("LLM_GATEWAY_ALLOW_RUNTIME_LORA_UPDATING",
+                                                   False)
 # How often the gateway looks for newly published versions of the models it serves.
 LLM_GATEWAY_POLL_SECONDS = env_float("LLM_GATEWAY_POLL_SECONDS", 1.0, minimum=0.05)
 # torch's CPU threads in a process that runs the gateway (0: torch's default, one per core).

@@ -5,6 +5,8 @@ from django.core import checks
 
 from lightning_site.celery import app as celery_app
 from lightning_site.control import register_takeover
+from lightning_site.queues import Queue
+from lightning_site.scaling import register_backlog
 from runners.checks import check_settings
 
 
@@ -18,10 +20,12 @@ class RunnersConfig(AppConfig):
         celery_app.steps["worker"].add("runners.worker_registry:WorkerRegistryStep")
         # A worker restarted under its node name takes over its dead processes' rollouts.
         from lightning_site.publish import register_options
-        from runners import services, stopping  # noqa: F401 - stopping: its pool-process signal
+        from runners import selectors, services, stopping  # noqa: F401 - stopping: its signal
 
         # Rollout tasks carry time limits that follow each rollout's timeout (the backstop).
         register_options(services.RUN_ROLLOUT_TASK, services.rollout_task_options)
 
         register_takeover("rollouts", lambda node, pid: len(
             services.celery_worker_take_over(name=node, pid=pid)))
+        # The scaling signal counts the Celery rollouts (README "Scaling").
+        register_backlog(Queue.ROLLOUTS.value, selectors.celery_rollout_backlog)

@@ -24,6 +24,15 @@ def check_settings(app_configs=None, **kwargs) -> list:
             hint="otherwise live workers are marked lost between two heartbeats",
             id="runners.E002",
         ))
+    for queue in ("ROLLOUTS", "TRAINING"):
+        low = getattr(settings, f"SCALE_{queue}_MIN_WORKERS")
+        high = getattr(settings, f"SCALE_{queue}_MAX_WORKERS")
+        if low > high:
+            problems.append(Error(
+                f"SCALE_{queue}_MIN_WORKERS ({low}) exceeds SCALE_{queue}_MAX_WORKERS ({high})",
+                hint="lightning_desired_workers is kept within [MIN, MAX] (README \"Scaling\")",
+                id="runners.E003",
+            ))
     if settings.CELERY_BROKER_URL.startswith("memory://") and not settings.EMBEDDED_WORKERS:
         problems.append(Warning(
             "CELERY_BROKER_URL is memory:// with DATABASE_URL set: only workers inside the "

@@ -172,11 +172,17 @@ class StoreClient:
         return response.json(), rollout_id in _cancelled(response)
 
     def finish_attempt(self, rollout_id: str, attempt_id: str, *, status: str,
-                       error: str | None = None) -> dict[str, Any]:
+                       error: str | None = None, usage: dict[str, Any] | None = None
+                       ) -> dict[str, Any]:
         """Extension: the runner's final verdict, its error merged into the attempt's metadata
-        by the server; repeating it with the same status is harmless (so it is retried)."""
+        by the server, and what the attempt used (`usage`: cpu_seconds, gpu_seconds,
+        gpu_type) for the ledger; repeating it with the same status is harmless (so it is
+        retried)."""
+        body: dict[str, Any] = {"status": status, "error": error}
+        if usage is not None:
+            body["usage"] = usage
         response = self.request("POST", f"/rollouts/{rollout_id}/attempts/{attempt_id}/finish",
-                                json={"status": status, "error": error})
+                                json=body)
         return response.json()
 
     def update_attempts(self, updates: Sequence[dict[str, Any]]) -> set[str]:

@@ -26,6 +26,7 @@ from runners.gateway import STOP_CANCELLED, STOP_ENDED, Claim, StoreGateway
 from runners.llm import route_llm_resources
 from runners.stopping import HeldSlots, Stopper, may_exit_process
 from runners.tracing import AGL_ROLLOUT, attempt_tracing, emit_reward, tracer
+from runners.usage import UsageMeter
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ class ExecutorOptions:
     # (runners/stopping.py); `held` records its slot meanwhile.
     stop_grace_seconds: float = 5.0
     held: HeldSlots | None = None
+    # Started when the task started (its claim included); None: when execute() starts.
+    meter: UsageMeter | None = None
 
 
 @dataclass(frozen=True)
@@ -67,16 +70,18 @@ def execute(
     the report (Celery's soft time limit lands wherever the task happens to be: setting up
     tracing, shipping spans, even the report itself) is reported as the attempt's failure
     and raised again: a claimed attempt never stays live with nobody running it."""
+    options = options or ExecutorOptions()
+    meter = options.meter or UsageMeter()
     try:
-        return _execute(gateway, claim, agent, worker_id, options or ExecutorOptions())
+        return _execute(gateway, claim, agent, worker_id, options, meter)
     except Exception as exc:
         gateway.finish(rollout_id=claim.rollout_id, attempt_id=claim.attempt_id,
-                       status=FAILED, error=_describe(exc))
+                       status=FAILED, error=_describe(exc), usage=meter.read())
         raise
 
 
 def _execute(gateway: StoreGateway, claim: Claim, agent: Agent | str, worker_id: str,
-             options: ExecutorOptions) -> Outcome:
+             options: ExecutorOptions, meter: UsageMeter) -> Outcome:
     info = RolloutInfo(
         rollout_id=claim.rollout_id, attempt_id=claim.attempt_id, mode=claim.mode,
         resources_id=claim.resources_id, resources_version=claim.resources_version,
@@ -109,7 +114,7 @@ def _execute(gateway: StoreGateway, claim: Claim, agent: Agent | str, worker_id:
     gateway.finish(
         rollout_id=claim.rollout_id, attempt_id=claim.attempt_id,
         status=SUCCEEDED if outcome.status == SUCCEEDED else FAILED,
-        error=outcome.error,
+        error=outcome.error, usage=meter.read(),
     )
     return outcome
 

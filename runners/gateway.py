@@ -15,7 +15,10 @@ each, and tests run the executor against each.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from store.services import Usage
 
 # Why a heartbeat tells the runner to stop (StoreGateway.heartbeat).
 STOP_CANCELLED = "cancelled"
@@ -63,7 +66,8 @@ class StoreGateway(Protocol):
         """The key an agent's LLM calls through the model gateway use (runners/llm.py)."""
 
     def finish(
-        self, *, rollout_id: str, attempt_id: str, status: str, error: str | None = None
+        self, *, rollout_id: str, attempt_id: str, status: str, error: str | None = None,
+        usage: Usage | None = None,
     ) -> None:
         """End the attempt as `succeeded` or `failed` (error recorded in its metadata under
-        "error")."""
+        "error"); `usage`: what it used, for the ledger row the verdict writes."""

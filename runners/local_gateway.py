@@ -93,12 +93,13 @@ class LocalGateway:
                              attempt_id=attempt_id)
 
     def finish(
-        self, *, rollout_id: str, attempt_id: str, status: str, error: str | None = None
+        self, *, rollout_id: str, attempt_id: str, status: str, error: str | None = None,
+        usage: services.Usage | None = None,
     ) -> None:
         try:
             self.retry.call(lambda: services.attempt_finish(
                 project=self.project, rollout_id=rollout_id, attempt_id=attempt_id,
-                status=status, error=error,
+                status=status, error=error, usage=usage,
             ), what=f"finish {rollout_id}/{attempt_id}")
         except IllegalTransition as exc:  # someone already gave the final verdict
             log.warning("late report for %s/%s ignored: %s", rollout_id, attempt_id, exc)

@@ -3,12 +3,16 @@ for machines with no database access. Behaves as `runners.local_gateway.LocalGat
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runners.client import ApiError, StoreClient
 from runners.gateway import STOP_CANCELLED, STOP_ENDED, Claim
+
+if TYPE_CHECKING:
+    from store.services import Usage
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +71,12 @@ class HttpGateway:
         return STOP_CANCELLED if cancelled else None
 
     def finish(
-        self, *, rollout_id: str, attempt_id: str, status: str, error: str | None = None
+        self, *, rollout_id: str, attempt_id: str, status: str, error: str | None = None,
+        usage: Usage | None = None,
     ) -> None:
         try:
-            self.client.finish_attempt(rollout_id, attempt_id, status=status, error=error)
+            self.client.finish_attempt(rollout_id, attempt_id, status=status, error=error,
+                                       usage=dataclasses.asdict(usage) if usage else None)
         except ApiError as exc:
             if exc.status != CONFLICT:
                 raise

@@ -7,11 +7,12 @@ from dataclasses import dataclass
 
 from django.db.models import Count
 
+from lightning_site import scaling
 from lightning_site.queues import Queue
 from runners.held_slots import held_slots
 from runners.models import CeleryWorker
 from store.models import Project, Rollout
-from store.statemachine import QUEUED, ROLLOUT_TERMINAL
+from store.statemachine import QUEUED, ROLLOUT_TERMINAL, RolloutStatus
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,23 @@ class QueueState:
     waiting_reason: str | None
     # Slots still running an agent whose attempt the store already ended (runners/stopping.py).
     held_by_ended: int = 0
+    # The scaling signal (lightning_site/scaling.py): None for a queue no app counts.
+    load: QueueLoad | None = None
+
+
+@dataclass(frozen=True)
+class QueueLoad:
+    queued: int
+    running: int
+    # Slots of the live workers serving the queue (the sum of their concurrency).
+    slots: int
+    slots_per_worker: int
+    desired_workers: int
+
+    def describe(self) -> str:
+        return (f"{self.queued} queued, {self.running} running, {self.slots} live slots: "
+                f"{self.desired_workers} worker(s) wanted at {self.slots_per_worker} slot(s) "
+                f"each")
 
 
 def celery_workers_live() -> list[CeleryWorker]:
@@ -43,7 +61,33 @@ def queue_state(*, queue: str, needs_cuda: bool = False,
         reason = (f"no live worker with CUDA serves queue '{queue}' "
                   f"({len(serving)} CPU-only worker(s) do)")
     held = len(held_slots()) if queue == Queue.ROLLOUTS.value else 0
-    return QueueState(queue, [w.name for w in serving], cuda, reason, held)
+    return QueueState(queue, [w.name for w in serving], cuda, reason, held,
+                      queue_load(queue=queue, serving=serving))
+
+
+def queue_load(*, queue: str, serving: list[CeleryWorker]) -> QueueLoad | None:
+    """The queue's backlog against its live slots, and the workers it wants (KEDA's rule:
+    (queued + running) / slots per worker, within the settings' bounds)."""
+    backlog = scaling.backlog_of(queue)
+    if backlog is None:
+        return None
+    queued, running = backlog
+    bounds = scaling.bounds(queue)
+    slots = sum(w.concurrency for w in serving)
+    per_worker = bounds.slots_per_worker or (round(slots / len(serving)) if serving else 1)
+    desired = scaling.desired_workers(queued=queued, running=running,
+                                      slots_per_worker=per_worker,
+                                      minimum=bounds.minimum, maximum=bounds.maximum)
+    return QueueLoad(queued, running, slots, max(1, per_worker), desired)
+
+
+def celery_rollout_backlog() -> tuple[int, int]:
+    """(queued, running) rollouts delivered by Celery messages: those the rollout workers
+    serve (a remote runner's rollouts, dispatch None, are not theirs to scale for)."""
+    live = (RolloutStatus.PREPARING, RolloutStatus.RUNNING)
+    counts = dict(Rollout.objects.filter(dispatch__isnull=False, status__in=[*QUEUED, *live])
+                  .values_list("status").annotate(n=Count("pk")).order_by())
+    return (sum(counts.get(s, 0) for s in QUEUED), sum(counts.get(s, 0) for s in live))
 
 
 def queue_states() -> list[QueueState]:

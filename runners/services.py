@@ -25,6 +25,7 @@ from runners.executor import ENDED, FAILED, ExecutorOptions, Outcome, execute
 from runners.held_slots import HeldSlotRecorder, held_slots_forget
 from runners.local_gateway import LocalGateway
 from runners.models import CeleryWorker
+from runners.usage import UsageMeter
 from store import services as store_services
 from store import watchdog
 from store.errors import IllegalTransition, InvalidInput
@@ -62,6 +63,7 @@ def rollout_run(*, project_id: int, rollout_id: str, worker_id: str) -> str:
     """Claim a named rollout and run it; a rollout no longer queued (a duplicate message, or
     a runner got there first) is left alone. Returns the outcome's status; raises
     RolloutFailed when the attempt failed."""
+    meter = UsageMeter()  # the task's own CPU, its claim included (the ledger, README "Cost")
     project = Project.objects.filter(pk=project_id).first()
     if project is None:  # deleted since the message was sent
         return NOT_QUEUED
@@ -80,10 +82,10 @@ def rollout_run(*, project_id: int, rollout_id: str, worker_id: str) -> str:
     if not claim.agent:
         error = "the rollout names no agent to run"
         gateway.finish(rollout_id=claim.rollout_id, attempt_id=claim.attempt_id, status="failed",
-                       error=error)
+                       error=error, usage=meter.read())
         raise RolloutFailed(f"{claim.rollout_id}/{claim.attempt_id}: {error}")
     options = dataclasses.replace(executor_options(),
-                                  held=HeldSlotRecorder(project.pk, worker_id))
+                                  held=HeldSlotRecorder(project.pk, worker_id), meter=meter)
     outcome: Outcome = execute(gateway=gateway, claim=claim, agent=claim.agent,
                                worker_id=worker_id, options=options)
     if outcome.status == FAILED:

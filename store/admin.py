@@ -11,7 +11,7 @@ from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html
 
-from store import services
+from store import selectors, services
 from store.errors import StoreError
 from store.models import (
     ApiKey,
@@ -22,6 +22,7 @@ from store.models import (
     Rollout,
     RolloutGroup,
     Span,
+    UsageEntry,
     Worker,
 )
 from store.rewards import rollout_rewards
@@ -47,6 +48,11 @@ class ApiKeyInline(admin.TabularInline):
 class ProjectAdmin(admin.ModelAdmin):
     list_display = ("name", "created_at")
     search_fields = ("name",)
+    readonly_fields = ("usage",)
+
+    @admin.display(description="Cost (ledger totals)")
+    def usage(self, obj: Project) -> str:
+        return selectors.usage_totals(project=obj).describe() if obj.pk else "-"
     inlines = [ApiKeyInline]
     actions = ["make_runner_key", "make_algorithm_key", "make_admin_key"]
 
@@ -391,3 +397,14 @@ class RolloutGroupAdmin(admin.ModelAdmin):
     def members(self, obj: RolloutGroup) -> str:
         url = reverse("admin:store_rollout_changelist") + f"?group__id__exact={obj.pk}"
         return format_html('<a href="{}">{} rollouts</a>', url, obj.total)
+
+
+@admin.register(UsageEntry)
+class UsageEntryAdmin(ReadOnlyAdmin):
+    """The cost ledger: append-only rows, shown only (README "Cost")."""
+
+    list_display = ("created_at", "project", "kind", "rollout_id", "attempt_id", "group_id",
+                    "cpu_seconds", "gpu_seconds", "gpu_type", "tokens", "cost")
+    list_filter = ("kind", "project")
+    search_fields = ("rollout_id",)
+    date_hierarchy = "created_at"

@@ -331,3 +331,46 @@ class Worker(models.Model):
 
     def __str__(self) -> str:
         return self.worker_id
+
+
+class UsageEntry(models.Model):
+    """The cost ledger: what one attempt or one training step used, append-only. Written in the
+    transaction that gives the verdict (a runner's final report on an attempt; a step's finish),
+    so the ledger and the verdicts cannot drift; never updated (README "Cost")."""
+
+    class Kind(models.TextChoices):
+        ATTEMPT = "attempt"
+        STEP = "step"
+
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="usage",
+                                db_index=False)
+    kind = models.CharField(max_length=8, choices=Kind.choices)
+    # The attempt's rollout and attempt ids (kind "attempt"); kept as values: a ledger row
+    # outlives nothing it describes, and needs no lock on them.
+    rollout_id = models.CharField(max_length=40, null=True, blank=True)
+    attempt_id = models.CharField(max_length=40, null=True, blank=True)
+    # The rollout group it belongs to (a training step's rollouts, or the step itself): how a
+    # job's totals are found (trainer.selectors.job_usage).
+    group_id = models.BigIntegerField(null=True, blank=True)
+    # CPU time of the process that ran it (getrusage), not wall time.
+    cpu_seconds = models.FloatField(default=0.0)
+    # Wall time x CUDA devices held; gpu_type: the device's name (priced by it).
+    gpu_seconds = models.FloatField(default=0.0)
+    gpu_type = models.CharField(max_length=100, blank=True, default="")
+    # Tokens the model gateway generated for the attempt's calls (its spans).
+    tokens = models.BigIntegerField(default=0)
+    # The price list (settings COST_*) applied when the row was written.
+    cost = models.FloatField(default=0.0)
+    created_at = models.DateTimeField()
+
+    class Meta:
+        indexes = [
+            # per-project totals and listings, newest first
+            models.Index(fields=["project", "created_at"], name="usage_project_time"),
+            # per-job totals: the rows of the job's groups
+            models.Index(fields=["group_id"], name="usage_group",
+                         condition=Q(group_id__isnull=False)),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.rollout_id or self.group_id}: {self.cost:.6f}"

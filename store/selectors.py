@@ -10,11 +10,20 @@ from functools import reduce
 from operator import and_, or_
 from typing import Any, Generic, TypeVar
 
-from django.db.models import Count, F, OrderBy, Q, QuerySet
+from django.db.models import Count, F, OrderBy, Q, QuerySet, Sum
 
 from store import waits, wakeups
 from store.errors import BadQuery, InvalidInput, NotFound
-from store.models import Attempt, Project, ResourceSet, ResourceVersion, Rollout, Span, Worker
+from store.models import (
+    Attempt,
+    Project,
+    ResourceSet,
+    ResourceVersion,
+    Rollout,
+    Span,
+    UsageEntry,
+    Worker,
+)
 from store.statemachine import ROLLOUT_TERMINAL, AttemptStatus
 
 T = TypeVar("T")
@@ -372,3 +381,31 @@ def statistics(*, project: Project) -> dict[str, Any]:
         "total_workers": Worker.objects.filter(project=project).count(),
         "uptime": time.time() - _STARTED,
     }
+
+
+@dataclass(frozen=True)
+class UsageTotals:
+    """Sums of ledger rows (README "Cost")."""
+
+    cpu_seconds: float = 0.0
+    gpu_seconds: float = 0.0
+    tokens: int = 0
+    cost: float = 0.0
+    rows: int = 0
+
+    def describe(self) -> str:
+        return (f"{self.cpu_seconds:.2f} CPU-s, {self.gpu_seconds:.2f} GPU-s, {self.tokens} "
+                f"tokens: cost {self.cost:.6f}")
+
+
+def usage_totals(*, project: Project | None = None, group_ids: Any = None) -> UsageTotals:
+    """Ledger totals of a project, or of the rows of the given rollout groups (a job's)."""
+    rows = UsageEntry.objects.all()
+    if project is not None:
+        rows = rows.filter(project=project)
+    if group_ids is not None:
+        rows = rows.filter(group_id__in=group_ids)
+    sums = rows.aggregate(cpu=Sum("cpu_seconds"), gpu=Sum("gpu_seconds"), tokens=Sum("tokens"),
+                          cost=Sum("cost"), n=Count("pk"))
+    return UsageTotals(sums["cpu"] or 0.0, sums["gpu"] or 0.0, sums["tokens"] or 0,
+                       sums["cost"] or 0.0, sums["n"])

@@ -69,3 +69,12 @@ class CountingAgent:
 
     def rollout(self, task, rollout_id):
         return 2.0 if rollout_id.startswith("ro-") else 0.0
+
+
+def burning_agent(task):
+    """Burns `cpu_seconds` of this thread's CPU time (the cost ledger's reconciliation)."""
+    until = time.thread_time() + task.get("cpu_seconds", 0.2)
+    n = 0
+    while time.thread_time() < until:
+        n += 1
+    return 1.0

@@ -109,11 +109,11 @@ def test_a_database_lost_while_a_trained_step_finishes_is_retried_in_place(monke
     step_id = sent.train_steps.pop()
     finish, failures = services._step_finish, []
 
-    def lost_once(step, result):
+    def lost_once(step, result, *usage):
         if not failures:
             failures.append(1)
             raise OperationalError("server closed the connection unexpectedly")
-        return finish(step, result)
+        return finish(step, result, *usage)
 
     monkeypatch.setattr(services, "_step_finish", lost_once)
     assert services.step_train(step_id=step_id, worker="w") == "done"

@@ -28,9 +28,13 @@ class TrainingJobAdmin(admin.ModelAdmin):
     list_filter = ("status", "algorithm", "project")
     search_fields = ("name", "agent")
     readonly_fields = ("status", "error", "resources_id", "best_version", "best_metric",
-                       "created_at", "started_at", "finished_at", "page")
+                       "created_at", "started_at", "finished_at", "page", "usage")
     inlines = [StepInline]
     actions = ["cancel", "resume"]
+
+    @admin.display(description="Cost (ledger totals)")
+    def usage(self, obj: TrainingJob) -> str:
+        return selectors.job_usage(job=obj).describe() if obj.pk else "-"
 
     @admin.display(description="Job page")
     def page(self, obj: TrainingJob) -> str:

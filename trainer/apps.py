@@ -1,6 +1,8 @@
 from django.apps import AppConfig
 
 from lightning_site.control import register_reconciler, register_takeover
+from lightning_site.queues import Queue
+from lightning_site.scaling import register_backlog
 from store import hooks
 
 
@@ -11,7 +13,7 @@ class TrainerConfig(AppConfig):
     def ready(self) -> None:
         # Django's documented place for wiring that needs models: they load only after the
         # app registry is ready, which is why this import is here and not at the top.
-        from trainer import reactions, services
+        from trainer import reactions, selectors, services
         from trainer.models import GROUP_OWNER
 
         # A step's rollout group finished: the store wrote a completion row; its nudge makes
@@ -24,3 +26,5 @@ class TrainerConfig(AppConfig):
         # A training worker restarted under its node name takes back its dead processes' steps
         # at once instead of after their lease.
         register_takeover("training_steps", services.steps_take_over)
+        # The scaling signal of the training queue counts its steps (README "Scaling").
+        register_backlog(Queue.TRAINING.value, selectors.training_backlog)

@@ -11,11 +11,20 @@ from urllib.parse import urlencode
 from django.db.models import Count, F, Q, Sum
 from django.urls import reverse
 
+from store import selectors as store_selectors
 from store.models import ResourceVersion, Rollout, RolloutGroup, Span
 from store.statemachine import ROLLOUT_TERMINAL
 from trainer import staleness
 from trainer.algorithms import FinishedRollout
 from trainer.models import StepStatus, TrainingJob, TrainingStep
+
+
+def training_backlog() -> tuple[int, int]:
+    """(queued, running) training steps: ready ones wait for a training worker, training ones
+    hold one (the scaling signal of the training queue, lightning_site/scaling.py)."""
+    counts = dict(TrainingStep.objects.filter(status__in=[StepStatus.READY, StepStatus.TRAINING])
+                  .values_list("status").annotate(n=Count("pk")).order_by())
+    return counts.get(StepStatus.READY, 0), counts.get(StepStatus.TRAINING, 0)
 
 
 def step_rollouts(*, step: TrainingStep) -> Any:
@@ -30,6 +39,12 @@ def job_groups(*, job: TrainingJob) -> Any:
     """The rollout groups of every step and round of the job (found by their unique keys)."""
     keys = [key for step in job.steps.only("pk", "round") for key in step.group_keys()]
     return RolloutGroup.objects.filter(project_id=job.project_id, key__in=keys)
+
+
+def job_usage(*, job: TrainingJob) -> store_selectors.UsageTotals:
+    """The job's cost ledger totals: its attempts' rows and its steps' (all carry one of the
+    job's rollout groups)."""
+    return store_selectors.usage_totals(group_ids=job_groups(job=job).values("pk"))
 
 
 def job_rollouts(*, job: TrainingJob) -> Any:

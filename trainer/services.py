@@ -26,6 +26,7 @@ from django.utils import timezone
 from lightning_site.processes import process_alive
 from lightning_site.retry import DEFAULT as DB_RETRY
 from lightning_site.retry import RetryPolicy
+from lightning_site.usage import CpuMeter, cuda_held
 from store import selectors as store_selectors
 from store import services as store_services
 from store.errors import IllegalTransition, InvalidInput
@@ -320,6 +321,8 @@ class TrainResult:
     device: str = "cpu"
     seconds: float = 0.0
     published: dict[str, Any] = field(default_factory=dict)  # beside the checkpoint
+    # CUDA devices the update ran on (its ranks' when distributed; 0 on the CPU)
+    devices: int = 0
 
 
 def train_device() -> str:
@@ -340,6 +343,7 @@ def step_train(*, step_id: int, worker: str | None = None,
     step trained must cost a few seconds, not the lease. A transient error in the claim
     itself fails the task, which Celery retries (trainer/tasks.py): nothing is held then."""
     worker = worker or f"{socket.gethostname()}:{os.getpid()}"
+    meter = CpuMeter()  # the task's CPU, for the step's ledger row (README "Cost")
     step = step_claim(step_id=step_id, worker=worker)
     if step is None:
         return "skipped"
@@ -361,7 +365,17 @@ def step_train(*, step_id: int, worker: str | None = None,
         return retry.call(lambda: step_record_failure(
             step_id=step.pk, attempt=step.attempts, error=error),
             what=f"step {step.pk}: recording a failure")
-    return retry.call(lambda: _step_finish(step, result), what=f"step {step.pk}: finishing")
+    usage = _step_usage(meter, result)
+    return retry.call(lambda: _step_finish(step, result, usage),
+                      what=f"step {step.pk}: finishing")
+
+
+def _step_usage(meter: CpuMeter, result: TrainResult) -> store_services.Usage:
+    """CPU time of this process and its waited-for ranks; GPU-seconds: the training's wall
+    time x the CUDA devices it ran on."""
+    name = cuda_held()[1] if result.devices else ""
+    return store_services.Usage(cpu_seconds=meter.cpu_seconds(),
+                                gpu_seconds=result.seconds * result.devices, gpu_type=name)
 
 
 def _stale_count(step: TrainingStep) -> int:
@@ -418,7 +432,7 @@ def _train(step: TrainingStep) -> TrainResult:
     rollouts = selectors.step_finished_rollouts(step=step)
     metrics = algorithm.report(rollouts)
     device = train_device()
-    resource, published = None, {}
+    resource, published, devices = None, {}, 0
     if staleness.bound(config) > 0:
         base = _base_version(step)
         metrics.update(staleness.staleness_metrics(
@@ -437,17 +451,21 @@ def _train(step: TrainingStep) -> TrainResult:
         else:
             update = algorithm.update(step=step.n, state=state, samples=samples,
                                       device=device)
+        devices = (world_size if world_size > 1 else 1) if device.startswith("cuda") else 0
         metrics.update(update.metrics)
         if update.state is not None:
             resource = algorithm.save(update.state, name_prefix=f"jobs/{job.pk}",
                                       step=step.n + 1, metrics=metrics)
             published = algorithm.published_resources(resource, job_id=job.pk)
-    return TrainResult(resource, metrics, device, time.perf_counter() - started, published)
+    return TrainResult(resource, metrics, device, time.perf_counter() - started, published,
+                       devices)
 
 
-def _step_finish(step: TrainingStep, result: TrainResult) -> str:
-    """training -> done in one transaction with the new resources version and step n+1's
-    plan; a try that lost its lease to another one changes nothing ("lost")."""
+def _step_finish(step: TrainingStep, result: TrainResult,
+                 usage: store_services.Usage | None = None) -> str:
+    """training -> done in one transaction with the new resources version, the step's ledger
+    row and step n+1's plan; a try that lost its lease to another one changes nothing
+    ("lost")."""
     now = _now()
     timings = {**step.timings, "done": _iso(now), "train_seconds": round(result.seconds, 4)}
     with transaction.atomic():
@@ -456,6 +474,8 @@ def _step_finish(step: TrainingStep, result: TrainResult) -> str:
                          where=Q(attempts=step.attempts), now=now, metrics=result.metrics,
                          device=result.device, timings=timings, lease_until=None, error=""):
             return "lost"
+        store_services.usage_record_step(project=job.project, group_id=step.group_id,
+                                         usage=usage or store_services.Usage(), now=now)
         produced = step.resources_version
         if result.checkpoint is not None:
             produced = store_services.resources_update(

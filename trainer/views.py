@@ -10,6 +10,7 @@ from django.contrib.admin.views.decorators import staff_member_required
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
+from store import selectors as store_selectors
 from trainer import selectors, services
 from trainer.models import JOB_TERMINAL, JobStatus, TrainingJob
 from trainer.plots import Series, line_chart
@@ -53,6 +54,8 @@ def job_detail(request, pk: int, workers: Callable[[], Any] | None = None):
         "threshold_goal": (job.config or {}).get("threshold"),
         "rollout_counts": sorted(selectors.job_rollout_counts(job=job).items()),
         "checkpoints": selectors.job_checkpoints(job=job),
+        "usage": selectors.job_usage(job=job),
+        "project_usage": store_selectors.usage_totals(project=job.project),
         "queues": workers() if workers else [],
         "refresh_seconds": None if job.status in JOB_TERMINAL else REFRESH_SECONDS,
         "can_cancel": job.status not in JOB_TERMINAL,

@@ -215,10 +215,19 @@ class UpdateAttemptIn(serializers.Serializer):
     metadata = ObjectField(required=False, allow_null=True)
 
 
+class UsageIn(serializers.Serializer):
+    """What the attempt used, measured by the runner (README "Cost")."""
+
+    cpu_seconds = SecondsField(required=False, default=0.0)
+    gpu_seconds = SecondsField(required=False, default=0.0)
+    gpu_type = StrictCharField(required=False, default="", allow_blank=True, max_length=100)
+
+
 class FinishAttemptIn(serializers.Serializer):
     status = serializers.ChoiceField(choices=sorted(ATTEMPT_FINAL))
     error = StrictCharField(required=False, allow_null=True, trim_whitespace=False,
                                   max_length=ERROR_MAX)
+    usage = UsageIn(required=False, allow_null=True)
 
 
 class AttemptUpdateItemIn(UpdateAttemptIn):

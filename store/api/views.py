@@ -257,8 +257,10 @@ class FinishAttemptView(StoreView):
                    operation_id="finish_attempt")
     def post(self, request: Request, rollout_id: str, attempt_id: str) -> Response:
         data = self.body(s.FinishAttemptIn)
+        usage = data.pop("usage", None)
         attempt = services.attempt_finish(
-            project=self.project, rollout_id=rollout_id, attempt_id=attempt_id, **data
+            project=self.project, rollout_id=rollout_id, attempt_id=attempt_id,
+            usage=services.Usage(**usage) if usage else None, **data
         )
         return respond(s.AttemptOut, attempt)
 

@@ -1,5 +1,6 @@
 """Every write to the store. Keyword-only, typed, one short transaction each."""
 
+from store.services._ledger import Usage
 from store.services._rows import KeyNotLive, require_key_live
 from store.services.attempts import (
     AttemptUpdate,
@@ -14,6 +15,7 @@ from store.services.dispatch import (
     rollout_dispatch_unpublished,
 )
 from store.services.groups import group_completions_take, group_create
+from store.services.ledger import usage_record_step
 from store.services.projects import (
     api_key_authenticate,
     api_key_create,
@@ -54,6 +56,7 @@ __all__ = [
     "Dispatch",
     "KeyNotLive",
     "RolloutSpec",
+    "Usage",
     "api_key_authenticate",
     "api_key_create",
     "attempt_finish",
@@ -87,5 +90,6 @@ __all__ = [
     "SpansExported",
     "SpansIngested",
     "spans_add",
+    "usage_record_step",
     "worker_update",
 ]

@@ -14,7 +14,9 @@ then rollouts, then workers, then groups: store/services/_rows.py):
   `error` merged in when the runner gave one);
 - then its worker, when it names one (idle since now, no current rollout);
 - then the rollout's group, if any (one more finished member; reaching its total writes
-  the completion event), and the finished wake-up, sent at commit.
+  the completion event), and the finished wake-up, sent at commit;
+- and the attempt's ledger row (store/services/_ledger.py: the runner's usage, the gateway's
+  tokens counted from the attempt's spans, the cost).
 
 The commit is synchronous (a verdict is durable once acknowledged). Nothing is written unless
 the statement does it all: any other case (a failure the config retries, a move the rules
@@ -29,10 +31,12 @@ from __future__ import annotations
 import functools
 from datetime import datetime
 
+from django.conf import settings
 from django.db import connection
 
 from store import hooks, wakeups
 from store.models import Attempt, Project, Worker
+from store.services._ledger import Usage, cost_sql, fixed_cost, gateway_tokens_sql
 from store.services._rows import KEY_LIVE_SQL, LiveKey, _columns, fetch_one_prepared, row_instance
 from store.services.groups import COMPLETED_NOW_SQL, completed_at_sql
 from store.statemachine import (
@@ -53,9 +57,11 @@ def possible(attempt_id: str, status: str | None) -> bool:
 
 
 def finish(project: Project, rollout_id: str, attempt_id: str, status: str, now: datetime,
-           error: str | None = None, live_key: LiveKey | None = None) -> Attempt | None:
+           error: str | None = None, live_key: LiveKey | None = None,
+           usage: Usage | None = None) -> Attempt | None:
     """The attempt as the statement left it (`status`, a final one), or None, having written
     nothing: the full path must answer."""
+    usage = usage or Usage()
     params = [
         rollout_id, attempt_id, project.pk, *ATTEMPT_LIVE, *(live_key or ()),  # a
         status, now, *sorted(ROLLOUT_TERMINAL),  # r
@@ -63,6 +69,8 @@ def finish(project: Project, rollout_id: str, attempt_id: str, status: str, now:
         *_worker_params(project.pk, now),  # w
         now,  # g
         now,  # c
+        project.pk, usage.cpu_seconds, usage.gpu_seconds, usage.gpu_type,  # l
+        fixed_cost(usage), settings.COST_PER_1K_TOKENS, now,
         wakeups.FINISHED, str(project.pk),
     ]
     sql = _sql(live_key is not None, status == AttemptStatus.FAILED, error is not None)
@@ -143,7 +151,13 @@ def _sql(key_checked: bool, failed: bool, with_error: bool) -> str:
         "FROM r WHERE g.id = r.group_id AND (SELECT count(*) FROM w) >= 0 "
         "RETURNING g.id, g.owner, g.finished, g.total, g.finished - 1 AS before), "
         "c AS (INSERT INTO store_groupcompletion (group_id, owner, created_at) "
-        f"SELECT id, owner, %s::timestamptz FROM g WHERE {COMPLETED_NOW_SQL} RETURNING owner) "
+        f"SELECT id, owner, %s::timestamptz FROM g WHERE {COMPLETED_NOW_SQL} RETURNING owner), "
+        # The ledger row (executed though nothing reads it: every data-modifying WITH runs).
+        "l AS (INSERT INTO store_usageentry (project_id, kind, rollout_id, attempt_id, "
+        "group_id, cpu_seconds, gpu_seconds, gpu_type, tokens, cost, created_at) "
+        "SELECT %s, 'attempt', u.rollout_id, u.attempt_id, r.group_id, %s::float8, %s::float8, "
+        f"%s::varchar, t.n, {cost_sql('t.n')}, %s::timestamptz FROM u, r, "
+        f"LATERAL (SELECT {gateway_tokens_sql('u.id')} AS n) t) "
         f"SELECT {_columns(Attempt, 'u')}, (SELECT array_agg(owner) FROM c), "
         "pg_notify(%s, %s) FROM u"
     )

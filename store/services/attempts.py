@@ -13,7 +13,7 @@ from django.utils import timezone
 from store import hooks, wakeups
 from store.errors import IllegalTransition, InvalidInput, NotFound
 from store.models import Attempt, Project, Rollout
-from store.services import _verdict
+from store.services import _ledger, _verdict
 from store.services._bulk import Write, write_together
 from store.services._common import (
     ROLLOUT_FOLLOW_FIELDS,
@@ -48,6 +48,8 @@ class AttemptUpdate:
     last_heartbeat_time: datetime | None = None
     metadata: Any = _UNSET
     error: str | None = None  # attempt_finish: merged into the metadata under the lock
+    # attempt_finish: what the runner measured, for the ledger row of its verdict
+    usage: _ledger.Usage | None = None
 
 
 def attempt_update(
@@ -75,20 +77,22 @@ def attempt_update(
 
 
 def attempt_finish(
-    *, project: Project, rollout_id: str, attempt_id: str, status: str, error: str | None = None
+    *, project: Project, rollout_id: str, attempt_id: str, status: str, error: str | None = None,
+    usage: _ledger.Usage | None = None,
 ) -> Attempt:
     """A runner's final verdict (succeeded or failed), with its error merged into the
     attempt's metadata under the row lock, so that nothing another writer stored (the
-    watchdog's verdict) is lost. Idempotent: finishing again with the same status changes
-    nothing; another final status raises IllegalTransition."""
+    watchdog's verdict) is lost, and the attempt's ledger row (`usage`: what the runner
+    measured) written in the same transaction. Idempotent: finishing again with the same
+    status changes nothing; another final status raises IllegalTransition."""
     if status not in ATTEMPT_FINAL:
         raise InvalidInput("status", f"must be one of {sorted(ATTEMPT_FINAL)}")
     if _verdict.possible(attempt_id, status):
         attempt = _verdict.finish(project, rollout_id, attempt_id, status, timezone.now(),
-                                  error=error)
+                                  error=error, usage=usage)
         if attempt is not None:
             return attempt
-    update = AttemptUpdate(rollout_id, attempt_id, status, error=error)
+    update = AttemptUpdate(rollout_id, attempt_id, status, error=error, usage=usage)
     return attempt_update_many(project=project, updates=[update])[0]
 
 
@@ -110,10 +114,14 @@ def attempt_update_many(*, project: Project, updates: Sequence[AttemptUpdate],
         attempts = _pick(project, updates, all_attempts, rollouts)
         finished: list[Rollout] = []
         changed_rollouts: dict[str, Rollout] = {}
+        verdicts: list[tuple[Attempt, _ledger.Usage | None]] = []
         for update, attempt in zip(updates, attempts, strict=True):
             rollout = rollouts[attempt.rollout_id]
             was_terminal = rollout.status in ROLLOUT_TERMINAL
+            had_verdict = attempt.status in ATTEMPT_FINAL
             _apply(update, attempt, rollout, now)
+            if not had_verdict and attempt.status in ATTEMPT_FINAL:
+                verdicts.append((attempt, update.usage))
             if follow_latest_attempt(rollout, attempt, now):
                 changed_rollouts[rollout.pk] = rollout
                 if not was_terminal and rollout.status in ROLLOUT_TERMINAL:
@@ -129,6 +137,8 @@ def attempt_update_many(*, project: Project, updates: Sequence[AttemptUpdate],
                                  "metadata", "deadline"]),
             Write.set(list(changed_rollouts.values()), ROLLOUT_FOLLOW_FIELDS),
             *worker_writes_for_attempts(project.pk, attempts, now),
+            # the ledger: one row per runner's verdict, in its transaction
+            _ledger.LedgerWrite(project, verdicts, now),
         ], last=last)
         if last is None:
             for channel, project_id in notices:

@@ -94,6 +94,28 @@ def test_client_enqueue_retries_are_idempotent_and_spans_go_in_batches(client, a
         assert len(client.query_spans(rid)) == 5
 
 
+def test_the_remote_runners_verdict_carries_its_usage_into_the_ledger(client, api_server, keys):
+    """What a remote runner measured travels with its verdict (POST .../finish `usage`) and
+    lands in the attempt's ledger row; a bad usage is refused with the field named."""
+    from store.models import UsageEntry
+    from store.services import Usage
+
+    rid = client.enqueue([{"input": 1}])[0]["rollout_id"]
+    with StoreClient(api_server.url, keys.runner) as runner_client:
+        gateway = HttpGateway(runner_client)
+        claim = gateway.claim_rollout(rollout_id=rid, worker_id="w")
+        for bad in ({"cpu_seconds": -1}, {"gpu_seconds": False}, {"cpu_seconds": 1e300}):
+            with pytest.raises(ApiError) as refused:
+                runner_client.finish_attempt(rid, claim.attempt_id, status="succeeded",
+                                             usage=bad)
+            assert refused.value.status == 422 and next(iter(bad)) in str(refused.value.detail)
+        gateway.finish(rollout_id=rid, attempt_id=claim.attempt_id, status="succeeded",
+                       usage=Usage(cpu_seconds=1.5, gpu_seconds=2.0, gpu_type="NVIDIA L4"))
+    row = UsageEntry.objects.get(rollout_id=rid)
+    assert (row.attempt_id, row.cpu_seconds, row.gpu_seconds, row.gpu_type) == (
+        claim.attempt_id, 1.5, 2.0, "NVIDIA L4")
+
+
 def test_http_gateway_reports_like_the_local_one(client, api_server, keys):
     rid = client.enqueue([{"input": 1}])[0]["rollout_id"]
     with StoreClient(api_server.url, keys.runner) as runner_client:

@@ -127,3 +127,64 @@ def test_async_tokens_of_an_older_version_get_a_truncated_importance_weight(tiny
     with torch.no_grad():  # the ratio is now against the proximal policy: 1 before updating
         new = grpo_lm._token_logprobs(model, batch)
     assert (torch.exp(new - batch["old"])[mask] - 1).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_shared_prefix_computed_once_gives_the_same_logprobs_and_gradients(tmp_path, arch):
+    """grpo_lm runs the ids every row of a micro-batch starts with once (the system prompt,
+    tools and examples an agent sends with each call) and the rest on its repeated cache: the
+    same log-probabilities and gradients as each row in full, right padding included."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    if arch == "gpt2":
+        model = AutoModelForCausalLM.from_pretrained(tiny_model(tmp_path / "m"))
+    else:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=2, num_attention_heads=4,
+                                             num_key_value_heads=2, max_position_embeddings=64))
+    model.eval()
+    prefix = [(i * 7) % 20 + 1 for i in range(20)]
+    rows = [prefix + [3, 4, 5], prefix + [6] * 9, prefix + [2]]
+    samples = [grpo_lm.TokenSample(rollout_id=f"r{i}", group=0, input_ids=row,
+                                   mask=[0] * len(prefix) + [1] * (len(row) - len(prefix)),
+                                   old_logprobs=[0.0] * len(row), reward=float(i))
+               for i, row in enumerate(rows)]
+    batch = grpo_lm._tensors(samples, {f"r{i}": float(i) - 1 for i in range(3)}, "cpu")
+    assert batch["shared"] == len(prefix)
+    shared = grpo_lm._token_logprobs(model, batch)
+    (shared * batch["mask"]).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    full = grpo_lm._token_logprobs(model, {**batch, "shared": 0})
+    (full * batch["mask"]).sum().backward()
+    mask = batch["mask"].bool()
+    assert torch.allclose(shared[mask], full[mask], atol=1e-5)
+    for got, want in zip(grads, [p.grad for p in model.parameters()], strict=True):
+        assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_the_engine_runs_a_prompt_prefix_shared_by_the_batch_once(tiny, monkeypatch):
+    """Prompts that start alike (an agent's system prompt and examples) decode as if each were
+    alone: the shared prefix's cache computed once and repeated, the rows' own ids after it
+    (left padding in between, masked), the same tokens and log-probabilities."""
+    from trainer.llm import engine as engine_module
+
+    engine = Engine(tiny, device="cpu")
+    prefix = "abc 123 def 456 ghi 789 jab 012 cde 345 "
+
+    def run():
+        tok = engine.tokenizer
+        seqs = [Sequence_(tok(prefix + "1" * (i + 1))["input_ids"],
+                          Params(max_tokens=6, temperature=t, top_p=p, seed=5, ignore_eos=True))
+                for i, (t, p) in enumerate(SETTINGS)]
+        engine.generate(seqs)
+        return seqs
+
+    assert engine_module._shared_prefix(run(), {}) == len(prefix)
+    shared = run()
+    monkeypatch.setattr(engine_module, "SHARED_MIN", 10**6)
+    alone = run()
+    for a, b in zip(shared, alone, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)

@@ -65,6 +65,8 @@ DEFAULTS: dict[str, Any] = {
 OPTIMIZER_FILE = "optimizer.pt"
 # Recorded logprobs used as they are: the engine's, of the sampled distribution, in float32.
 RECORDED_EXACT = f"{sampling.SAMPLED}:float32"
+# A common prefix at least this long is computed once per micro-batch (_logits).
+SHARED_MIN = 16
 
 
 class GRPOLM(Algorithm):
@@ -250,6 +252,7 @@ def _tensors(samples: list[TokenSample], advantages: dict[str, float],
 
     return {
         "ids": torch.tensor(pad([s.input_ids for s in samples], 0), device=device),
+        "shared": _shared_prefix([s.input_ids for s in samples]),
         "attention": torch.tensor(pad([[1] * len(s.input_ids) for s in samples], 0),
                                   device=device),
         "mask": torch.tensor(pad([s.mask for s in samples], 0), dtype=torch.float32,
@@ -259,6 +262,19 @@ def _tensors(samples: list[TokenSample], advantages: dict[str, float],
         "sampling": [(s.temperature, s.top_p) for s in samples],
         "recompute": [s.logprobs_of != RECORDED_EXACT for s in samples],
     }
+
+
+def _shared_prefix(rows: list[list[int]]) -> int:
+    """How many leading ids every row has in common (leaving each row at least one more):
+    the system prompt, tools and examples an agent sends with every call, often most of it."""
+    if len(rows) < 2:
+        return 0
+    limit = min(len(r) for r in rows) - 1
+    first = rows[0]
+    for k in range(max(limit, 0)):
+        if any(r[k] != first[k] for r in rows[1:]):
+            return k
+    return max(limit, 0)
 
 
 def _fill_old(model: Any, batch: dict[str, Any]) -> int:
@@ -299,11 +315,39 @@ def off_policy_correct(model: Any, batches: list[dict[str, Any]], cap: float
             "is_weight_truncated_fraction": truncated / max(total, 1.0)}
 
 
+def _logits(model: Any, batch: dict[str, Any]) -> Any:
+    """The model's logits at every position of every row. Rows that start with the same ids
+    (`shared`, at least SHARED_MIN) run that prefix once, with batch size 1, and the rest of
+    each row on top of its key/value cache repeated per row: the same logits (to float
+    rounding: tests/llm/test_ratio.py) and the same gradients, for one prefix's compute
+    instead of one per row."""
+    import torch
+
+    ids, attention, shared = batch["ids"], batch["attention"], batch.get("shared", 0)
+    if shared < SHARED_MIN:
+        return model(input_ids=ids, attention_mask=attention).logits
+    head = model(input_ids=ids[:1, :shared], attention_mask=attention[:1, :shared],
+                 use_cache=True)
+    cache = getattr(head, "cache", None) or head.past_key_values
+    cache.batch_repeat_interleave(ids.shape[0])
+    name = "cache" if "cache" in _forward_params(model) else "past_key_values"
+    tail = model(input_ids=ids[:, shared:], attention_mask=attention, use_cache=True,
+                 **{name: cache})
+    return torch.cat([head.logits.expand(ids.shape[0], -1, -1), tail.logits], dim=1)
+
+
+def _forward_params(model: Any) -> Any:
+    import inspect
+
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return inspect.signature(inner.forward).parameters
+
+
 def _token_logprobs(model: Any, batch: dict[str, Any]) -> Any:
     """log pi(token_t | tokens_<t) at every position (0 at the first, which has no context)."""
     import torch
 
-    logits = model(input_ids=batch["ids"], attention_mask=batch["attention"]).logits
+    logits = _logits(model, batch)
     logp = torch.stack([sampling.logprobs(logits[i, :-1], temperature, top_p)
                         for i, (temperature, top_p) in enumerate(batch["sampling"])])
     taken = logp.gather(2, batch["ids"][:, 1:].unsqueeze(2)).squeeze(2).clamp(min=-1e9)

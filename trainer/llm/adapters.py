@@ -70,8 +70,11 @@ class SharedBase:
                 self.model.delete_adapter(name)
 
 
-def attach(adapter_dir: str | Path, *, dtype: Any, device: str) -> tuple[SharedBase, str]:
-    base = str(lora.meta(adapter_dir)["base"])
+def attach(adapter_dir: str | Path, *, dtype: Any, device: str,
+           base: str | None = None) -> tuple[SharedBase, str]:
+    """`base`: where the base is on this machine (default: as the adapter recorded it); its
+    sha256 must be the one the adapter recorded in any case."""
+    base = base or str(lora.meta(adapter_dir)["base"])
     key = (base, str(dtype), device)
     with _lock:  # one load of a base at a time (another adapter of it waits, then shares it)
         shared = _bases.get(key)
@@ -83,3 +86,9 @@ def attach(adapter_dir: str | Path, *, dtype: Any, device: str) -> tuple[SharedB
 
 def loaded_bases() -> int:
     return len(_bases)
+
+
+def shared_bases() -> list[tuple[str, SharedBase]]:
+    """The bases loaded in this process: (the name they were loaded by, the base)."""
+    with _lock:
+        return [(key[0], shared) for key, shared in _bases.items()]

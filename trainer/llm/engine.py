@@ -80,10 +80,12 @@ def pick_device() -> str:
 
 
 class Engine:
-    """A model and tokenizer from one checkpoint directory (`version` says which)."""
+    """A model and tokenizer from one checkpoint directory (`version` says which). `base`: a
+    LoRA checkpoint's base as found on this machine (default: as the adapter recorded it)."""
 
     def __init__(self, path: str | Path, *, version: int = 0, name: str = "model",
-                 device: str | None = None, share_base: bool = False) -> None:
+                 device: str | None = None, share_base: bool = False,
+                 base: str | None = None) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from trainer.llm import lora, models
@@ -99,7 +101,7 @@ class Engine:
             from trainer.llm import adapters
 
             self.shared, self.adapter = adapters.attach(self.path, dtype=dtype,
-                                                        device=self.device)
+                                                        device=self.device, base=base)
             self.model, self.tokenizer, self.lock = (self.shared.model, self.shared.tokenizer,
                                                      self.shared.lock)
             weakref.finalize(self, self.shared.drop, self.adapter)
@@ -164,11 +166,18 @@ class Engine:
         generators = [_generator(s.params.seed, s.index) for s in sequences]
         for seq in sequences:
             seq.logprobs_of = f"{sampling.SAMPLED}:{self.dtype_name}"
-        past = None
+        past, shared = None, _shared_prefix(sequences, extra)
+        if shared:  # the prefix every prompt starts with, computed once (see _shared_prefix)
+            input_ids, attention = _prefix_first(sequences, shared, self.pad_id, self.device)
+            head = self.model(input_ids=input_ids[:1, :shared], use_cache=True,
+                              **_first_row(extra))
+            past = getattr(head, "cache", None) or head.past_key_values
+            past.batch_repeat_interleave(len(sequences))
         for _ in range(max(budget)):
             positions = (attention.cumsum(-1) - 1).clamp(min=0)
-            step_ids = input_ids if past is None else input_ids[:, -1:]
-            step_pos = positions if past is None else positions[:, -1:]
+            step_ids = input_ids[:, shared:] if past is None or shared else input_ids[:, -1:]
+            step_pos = positions[:, shared:] if past is None or shared else positions[:, -1:]
+            shared = 0
             out = self.model(input_ids=step_ids, attention_mask=attention, position_ids=step_pos,
                              use_cache=True, **{self._cache_arg: past}, **extra)
             past = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
@@ -208,6 +217,43 @@ class Engine:
                 seq.finish_reason = "length"
         if seq.on_token is not None:
             seq.on_token(seq, token, logprob, top)
+
+
+# A prefix of at least this many ids common to every prompt of a batch runs once (an agent's
+# system prompt, tools and worked examples: most of each prompt).
+SHARED_MIN = 32
+
+
+def _shared_prefix(sequences: list[Sequence_], extra: dict[str, Any]) -> int:
+    """How many leading prompt ids every sequence of the batch shares (0 when under
+    SHARED_MIN, for a single sequence, or when the rows decode with different adapters,
+    whose caches differ). Each prompt keeps at least one id of its own."""
+    names = extra.get("adapter_names")
+    if len(sequences) < 2 or (names and len(set(names)) > 1):
+        return 0
+    first, limit = sequences[0].prompt_ids, min(len(s.prompt_ids) for s in sequences) - 1
+    k = 0
+    while k < limit and all(s.prompt_ids[k] == first[k] for s in sequences[1:]):
+        k += 1
+    return k if k >= SHARED_MIN else 0
+
+
+def _prefix_first(sequences: list[Sequence_], shared: int, pad_id: int,
+                  device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of the shared prefix, then left padding, then each prompt's own ids; the padding
+    masked out (positions count only attended ids, so each row's own ids sit where they
+    would without the padding)."""
+    width = max(len(s.prompt_ids) for s in sequences) - shared
+    rows, mask = [], []
+    for s in sequences:
+        own = list(s.prompt_ids[shared:])
+        rows.append(list(s.prompt_ids[:shared]) + [pad_id] * (width - len(own)) + own)
+        mask.append([1] * shared + [0] * (width - len(own)) + [1] * len(own))
+    return torch.tensor(rows, device=device), torch.tensor(mask, device=device)
+
+
+def _first_row(extra: dict[str, Any]) -> dict[str, Any]:
+    return {k: v[:1] for k, v in extra.items()}
 
 
 def _first_stop(text: str, stops: Sequence[str]) -> int | None:

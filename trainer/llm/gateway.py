@@ -2,7 +2,10 @@
 upstream server, recording every attributed call as a span of its attempt.
 
 Routes, each also under `/rollout/{rollout_id}/attempt/{attempt_id}` (AGL's ProxyLLM):
-`POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`; plus `GET /health`.
+`POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`; plus `GET /health`,
+and with `runtime_lora` vLLM's `POST /v1/load_lora_adapter` / `/v1/unload_lora_adapter`
+(runtime_lora.py). In upstream mode, LoRA versions are loaded into the upstream through those
+same endpoints and each call routed to its pinned version (upstream_lora.py).
 Authentication: `Authorization: Bearer KEY` with a project API key (the OpenAI client's
 `api_key`), or an attempt token (store/tokens.py) for that attempt's own calls.
 Status codes: 401 bad key; 404 unknown model, or rollout/attempt not in the key's project
@@ -53,7 +56,8 @@ class Gateway:
                  upstream: Any = None, poll_seconds: float = 1.0,
                  max_body_bytes: int = 4 * 2**20, body_timeout: float = 30.0,
                  max_tokens: int | None = 4096, max_sequences_per_project: int = 256,
-                 threads: int = DB_THREADS) -> None:
+                 threads: int = DB_THREADS, runtime_lora: bool = False,
+                 upstream_keep: int = 2) -> None:
         self.registry = registry or Registry()
         # Limits a request meets before any work is done for it (README "Model gateway").
         self.max_body_bytes, self.body_timeout = max_body_bytes, body_timeout
@@ -64,6 +68,12 @@ class Gateway:
         self._admit_lock = threading.Lock()
         self.batcher = batcher or Batcher()
         self.upstream = upstream  # trainer.llm.upstream.Upstream, or None: local engines
+        self.runtime_lora = runtime_lora  # serve vLLM's runtime LoRA endpoints
+        self.upstream_loras = None  # LoRA versions loaded into the upstream (upstream_lora.py)
+        if upstream is not None:
+            from trainer.llm.upstream_lora import UpstreamLoRAs
+
+            self.upstream_loras = UpstreamLoRAs(upstream, keep=upstream_keep)
         self.recorder = calls.Recorder()
         self.turns = Turns()  # each attempt's last call: does the next one extend it?
         self.poll_seconds = poll_seconds
@@ -108,6 +118,10 @@ class Gateway:
                 Route(prefix + "/v1/completions", self._completions, methods=["POST"]),
                 Route(prefix + "/v1/models", self._models, methods=["GET"]),
             ]
+        if self.runtime_lora:
+            from trainer.llm.runtime_lora import RuntimeLoRA
+
+            routes += RuntimeLoRA(self).routes()
         routes.append(Route("/health", self._health, methods=["GET"]))
         routes.append(Route("/metrics", self._metrics, methods=["GET"]))
         app = Starlette(routes=routes, lifespan=self._lifespan)
@@ -258,6 +272,7 @@ class Gateway:
                 raise BadRequest(str(exc), status=422, code="idempotency_key_reused") from None
         if self.upstream is not None:
             prepared.model_name = parsed.model
+            self._upstream_lora(prepared)
             return prepared
         engine = self._engine(parsed, project, attribution)
         prepared.engine, prepared.model_name = engine, engine.name
@@ -294,6 +309,30 @@ class Gateway:
             raise BadRequest(f"the model '{parsed.model}' does not exist", "model", status=404,
                              code="model_not_found") from None
 
+    def _upstream_lora(self, prepared: _Prepared) -> None:
+        """A rollout pinned to a LoRA version: that version's adapter in the upstream (loaded
+        there if need be), held by the call until it is generated."""
+        from trainer.llm import upstream_lora
+
+        attribution = prepared.attribution
+        if attribution is None or attribution.llm is None or \
+                not upstream_lora.is_lora(attribution.llm):
+            return
+        try:
+            calls.check_checkpoint(attribution.llm, prepared.project.pk)
+        except calls.NotYourCheckpoint as exc:
+            raise BadRequest(f"the rollout's llm resource cannot be served: {exc}", "model",
+                             status=403, code="checkpoint_not_allowed",
+                             kind="permission_error") from None
+        resources_id = attribution.resources_id or ""
+        self.watch(prepared.project.pk, resources_id, str(attribution.llm["model"]))
+        try:
+            prepared.lease = self.upstream_loras.acquire(prepared.project.pk, resources_id,
+                                                         attribution.llm)
+        except CheckpointError as exc:
+            raise BadRequest(f"the rollout's checkpoint cannot be loaded: {exc}", "model",
+                             status=422, code="checkpoint_unavailable") from None
+
     def _call(self, request: Request, parsed: Parsed, started: float,
               project: Project | None = None) -> _Prepared:
         prepared = self._prepare(request, parsed, project)
@@ -304,7 +343,11 @@ class Gateway:
     def _generate(self, prepared: _Prepared) -> None:
         if self.upstream is not None:
             began = time.perf_counter()
-            self.upstream.complete(prepared)
+            try:
+                self.upstream.complete(prepared)
+            finally:
+                if prepared.lease is not None:
+                    self.upstream_loras.release(prepared.lease)
             prepared.engine_seconds = time.perf_counter() - began
             return
         began = time.perf_counter()
@@ -455,7 +498,7 @@ class Gateway:
                 self._watched[(project_id, resources_id)] = model
 
     def start_polling(self) -> None:
-        if self._poller is None and self.upstream is None:
+        if self._poller is None:
             self._poller = threading.Thread(target=self._poll_loop, name="llm-gateway-poller",
                                             daemon=True)
             self._poller.start()
@@ -474,6 +517,9 @@ class Gateway:
                 .order_by("-version").first())
             llm = calls.llm_resource(row.resources) if row is not None else None
             if llm is None or str(llm.get("model")) != model:
+                continue
+            if self.upstream_loras is not None:
+                loaded += self._preload_upstream(project_id, resources_id, llm)
                 continue
             space = Space(project_id, resources_id, model)
             if self._retry_at.get(space, 0) > time.monotonic():
@@ -507,6 +553,29 @@ class Gateway:
                 loaded += 1
         return loaded
 
+    def _preload_upstream(self, project_id: int, resources_id: str,
+                          llm: dict[str, Any]) -> int:
+        """A newly published LoRA version loaded into the upstream before its first call."""
+        from trainer.llm import upstream_lora
+
+        version = int(llm.get("version") or 0)
+        newest = self.upstream_loras.loaded(project_id, resources_id)
+        if not upstream_lora.is_lora(llm) or (newest and version <= max(newest)):
+            return 0
+        try:
+            calls.check_checkpoint(llm, project_id)
+            self.upstream_loras.release(self.upstream_loras.acquire(project_id, resources_id,
+                                                                    llm))
+        except (calls.NotYourCheckpoint, CheckpointError) as exc:
+            with self._watch_lock:  # said once, then no longer followed
+                self._watched.pop((project_id, resources_id), None)
+            log.warning("model %s/%s: not loading version %s into the upstream: %s",
+                        project_id, resources_id, version, exc)
+            return 0
+        except BadRequest:  # the upstream refused it: said in the log; retried with backoff
+            return 0
+        return 1
+
     def _poll_loop(self) -> None:
         from django.db import connections
 
@@ -535,6 +604,7 @@ class _Prepared:
         self.engine_seconds = 0.0  # in the engine's queue and decoding (or the upstream)
         self.request_sha256: str | None = None
         self.outputs: dict[int, llm_tools.Output] = {}  # an upstream's answers, as it gave them
+        self.lease = None  # upstream mode: the LoRA adapter serving it (upstream_lora.Lease)
 
     def output(self, seq: Sequence_) -> llm_tools.Output:
         """The choice as the client gets it: tool calls parsed from its text (the same each
@@ -546,8 +616,10 @@ class _Prepared:
 
     @property
     def version(self) -> int:
-        # An upstream server names no checkpoint version: 0.
-        return self.engine.version if self.engine is not None else 0
+        # Upstream: the LoRA version that served it, else 0 (the server names no version).
+        if self.engine is not None:
+            return self.engine.version
+        return self.lease.version if self.lease is not None else 0
 
 
 def _prompt_ids(engine: Engine, parsed: Parsed,

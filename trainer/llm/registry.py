@@ -17,6 +17,11 @@ loaded (the oldest is dropped; requests already running on it finish on it), and
 names a model: its own project's most recently used space of that name, else the
 deployment's.
 
+Runtime LoRA adapters (runtime_lora.py: vLLM's `/v1/load_lora_adapter`) are spaces of their
+own (`Space.runtime`), named by the caller, version 0, in the loading key's project only: at
+most `max_spaces` of them per project (one more is refused, never evicted: the upstream that
+loaded it routes calls to it), unloaded only by `/v1/unload_lora_adapter`.
+
 A poller (gateway.watch) follows the resources ids of the jobs whose calls it served and loads
 each newly published version as soon as the store has it.
 """
@@ -40,11 +45,20 @@ class UnknownModel(LookupError):
     pass
 
 
+class AlreadyLoaded(ValueError):
+    pass
+
+
+class TooManyAdapters(ValueError):
+    pass
+
+
 @dataclass(frozen=True)
 class Space:
     project_id: int
     resources_id: str
     model: str
+    runtime: bool = False  # a runtime LoRA adapter (loaded by name, not by a job's resources)
 
 
 @dataclass
@@ -91,6 +105,49 @@ class Registry:
         with self._lock:
             model = self._models.get(space)
             return sorted(model.versions) if model else []
+
+    def add_runtime(self, project_id: int, name: str, load: Callable[[], Engine]) -> Engine:
+        """Load a runtime LoRA adapter named `name` in the project's namespace (AlreadyLoaded:
+        the name is taken, or being loaded; TooManyAdapters: the project has max_spaces)."""
+        space = Space(project_id, "", name, runtime=True)
+        with self._lock:
+            if space in self._models:
+                raise AlreadyLoaded(name)
+            held = sum(1 for s in self._models if s.runtime and s.project_id == project_id)
+            if held >= self.max_spaces:
+                raise TooManyAdapters(f"this project has {held} LoRA adapters loaded (at most "
+                                      f"{self.max_spaces}); unload one first")
+            model = self._models[space] = _Model(used=time.monotonic())  # reserved meanwhile
+        try:
+            engine = load()
+        except BaseException:
+            with self._lock:
+                self._models.pop(space, None)
+            raise
+        with self._lock:
+            model.versions[0] = engine
+            self.loads += 1
+        return engine
+
+    def remove_runtime(self, project_id: int, name: str) -> bool:
+        """Unload a runtime adapter (calls already holding its engine finish on it)."""
+        space = Space(project_id, "", name, runtime=True)
+        with self._lock:
+            model = self._models.get(space)
+            if model is None or not model.versions:  # unknown, or still loading
+                return False
+            del self._models[space]
+            return True
+
+    def runtime_names(self, project_id: int) -> list[str]:
+        with self._lock:
+            return sorted(s.model for s, m in self._models.items()
+                          if s.runtime and s.project_id == project_id and m.versions)
+
+    def deployment_engines(self) -> list[Engine]:
+        with self._lock:
+            return [m.newest() for s, m in self._models.items()
+                    if s.project_id == DEPLOYMENT and m.versions]
 
     def by_name(self, name: str, *, project_id: int = DEPLOYMENT) -> Engine:
         """The newest loaded version of a model for an unattributed call of `project_id`:
@@ -153,7 +210,8 @@ class Registry:
         if keep.project_id == DEPLOYMENT:
             return
         own = sorted(((m.used, s) for s, m in self._models.items()
-                      if s.project_id == keep.project_id and s != keep), key=lambda p: p[0])
+                      if s.project_id == keep.project_id and s != keep and not s.runtime),
+                     key=lambda p: p[0])
         while len(own) + 1 > self.max_spaces:
             _, space = own.pop(0)
             del self._models[space]

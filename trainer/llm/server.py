@@ -44,6 +44,8 @@ def build_gateway(*, models: list[str] | None = None, upstream_url: str | None =
         max_tokens=settings.LLM_GATEWAY_MAX_TOKENS,
         max_sequences_per_project=settings.LLM_GATEWAY_MAX_SEQUENCES_PER_PROJECT,
         threads=settings.LLM_GATEWAY_THREADS,
+        runtime_lora=settings.LLM_GATEWAY_ALLOW_RUNTIME_LORA_UPDATING,
+        upstream_keep=settings.LLM_GATEWAY_MAX_VERSIONS,
     )
     for spec in [*settings.LLM_GATEWAY_MODELS, *(models or [])]:
         name, sep, path = spec.partition("=")

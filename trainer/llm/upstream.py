@@ -34,6 +34,9 @@ class Upstream:
     def complete(self, prepared: Any) -> None:
         parsed = prepared.parsed
         body = dict(parsed.body, stream=False, return_token_ids=True)
+        lease = getattr(prepared, "lease", None)
+        if lease is not None:  # the LoRA adapter the rollout pinned (upstream_lora.py)
+            body["model"] = lease.name
         body.pop("stream_options", None)
         if parsed.kind == "chat":
             body["logprobs"] = True
@@ -61,7 +64,8 @@ class Upstream:
                              "return_token_ids); calls cannot be recorded for training",
                              status=502, kind="upstream_error")
         prepared.prompt_ids = [int(t) for t in prompt_ids]
-        prepared.model_name = data.get("model") or parsed.model
+        prepared.model_name = (parsed.model if lease is not None  # not the adapter's name
+                               else data.get("model") or parsed.model)
         choices = data.get("choices") or []
         prepared.choices = [self._choice(parsed, c) for c in choices]
         if parsed.kind == "chat":  # the answer as the upstream gave it (its tool calls too)

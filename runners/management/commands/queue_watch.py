@@ -28,6 +28,8 @@ class Command(BaseCommand):
                 line += (f" ({state.held_by_ended} slots held by attempts that already ended; "
                          f"RUNNERS_STOP_GRACE_SECONDS)")
             self.stdout.write(line)
+            if state.load is not None:
+                self.stdout.write(f"  load: {state.load.describe()}")
         for slot in held_slots():
             self.stdout.write(f"  held: {slot.rollout_id}/{slot.attempt_id} "
                               f"({slot.attempt_status}) on {slot.worker_id} since "

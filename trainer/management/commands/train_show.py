@@ -5,7 +5,8 @@ from __future__ import annotations
 from django.core.management.base import BaseCommand, CommandError
 
 from lightning_site.console import progress_stream
-from trainer import progress
+from store import selectors as store_selectors
+from trainer import progress, selectors
 from trainer.management.commands.train import job_or_error
 
 
@@ -36,6 +37,9 @@ class Command(BaseCommand):
             if m.get("samples_replanned"):
                 fields.append(f"replanned={m['samples_replanned']}")
             self.stdout.write("  ".join(fields))
+        self.stdout.write(f"cost: job {selectors.job_usage(job=job).describe()}; project "
+                          f"{job.project.name} "
+                          f"{store_selectors.usage_totals(project=job.project).describe()}")
         if job.error:
             self.stdout.write(self.style.ERROR(job.error))
         if job.status == "failed":  # scripts see it: a failed job exits non-zero
