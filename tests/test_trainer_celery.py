@@ -7,7 +7,7 @@ import pytest
 
 from examples.cipher import job_spec
 from store import services as store_services
-from store.models import ResourceVersion
+from store.models import ResourceVersion, Rollout
 from tests.celery_fixtures import use_broker, wait_until
 from trainer import services
 from trainer.models import JobStatus, StepStatus, TrainingJob
@@ -94,3 +94,33 @@ def test_stopping_every_process_mid_job_then_starting_again_goes_on(
     steps = list(job.steps.values_list("n", "status", "produced_version").order_by("n"))
     assert steps == [(0, "done", 2), (1, "done", 3), (2, "done", 4), (3, "done", 4)]
     assert ResourceVersion.objects.filter(resource_set__resources_id=job.resources_id).count() == 4
+
+
+def test_an_async_job_whose_training_worker_is_killed_loses_nothing(
+    rabbitmq_url, celery_workers, checkpoint_dir, tmp_path
+):
+    env = {"CHECKPOINT_DIR": str(checkpoint_dir)}
+    marker = tmp_path / "blocked"
+    celery_workers(queues=["rollouts"], broker_url=rabbitmq_url, concurrency=2, env=env)
+    trainer = celery_workers(queues=["training"], broker_url=rabbitmq_url, concurrency=1, env=env)
+    with use_broker(rabbitmq_url):
+        job = make_job(steps=3, algorithm="tests.trainer_algorithms.BlockOnceGRPO",
+                       block_marker=str(marker), step_lease_seconds=2, max_staleness=1)
+        job = services.job_start(job_id=job.pk)
+        wait_until(marker.exists, timeout=120, message="step 0 never reached its update")
+        trainer.kill()  # SIGKILL mid-step, with step 0 claimed and step 1's rollouts running
+        celery_workers(queues=["training"], broker_url=rabbitmq_url, concurrency=1, env=env)
+        wait_until(lambda: finished(job, sweep=True), timeout=180,
+                   message=f"job did not finish: {list(job.steps.values('n', 'status'))}")
+    assert job.status == JobStatus.SUCCEEDED, job.error
+    assert job.steps.get(n=0).attempts == 2
+    steps = list(job.steps.order_by("n"))
+    assert [(s.n, s.status, s.produced_version) for s in steps] == [
+        (0, "done", 2), (1, "done", 3), (2, "done", 4), (3, "done", 4)]
+    assert ResourceVersion.objects.filter(resource_set__resources_id=job.resources_id).count() == 4
+    # every train rollout used was pinned at most one version behind its step's base
+    for step in steps[:3]:
+        base = steps[step.n - 1].produced_version if step.n else 1
+        pins = set(Rollout.objects.filter(group_id=step.group_id, mode="train")
+                   .values_list("resources_version", flat=True))
+        assert pins and all(base - pin <= 1 for pin in pins), (step.n, base, pins)

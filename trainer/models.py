@@ -88,6 +88,10 @@ class TrainingStep(models.Model):
     deadline = models.DateTimeField(null=True, blank=True)
     # Tries of the train-step task (a try that crashed counts too), bounded by max_attempts.
     attempts = models.PositiveIntegerField(default=0)
+    # Asynchronous jobs (config max_staleness > 0): times the step's group was planned again
+    # because a sample aged past the bound, and how many rollouts those groups held.
+    stale_replans = models.PositiveIntegerField(default=0)
+    stale_rollouts = models.PositiveIntegerField(default=0)
     # A claimed step belongs to its worker until then; after it the sweep sends it again.
     lease_until = models.DateTimeField(null=True, blank=True)
     worker = models.CharField(max_length=200, blank=True)

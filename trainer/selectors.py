@@ -14,6 +14,7 @@ from django.urls import reverse
 from store import selectors as store_selectors
 from store.models import ResourceVersion, Rollout, RolloutGroup, Span
 from store.statemachine import ROLLOUT_TERMINAL
+from trainer import staleness
 from trainer.algorithms import FinishedRollout
 from trainer.models import StepStatus, TrainingJob, TrainingStep
 
@@ -61,7 +62,7 @@ def step_finished_rollouts(*, step: TrainingStep) -> list[FinishedRollout]:
     """Terminal rollouts of the step with the spans of their latest attempt, in plan order."""
     rollouts = list(
         step_rollouts(step=step).filter(status__in=ROLLOUT_TERMINAL)
-        .values("pk", "mode", "status", "input")
+        .values("pk", "mode", "status", "input", "resources_version")
         # plan order: one enqueue stamps its rollouts' start_time a microsecond apart
         .order_by("start_time", "pk")
     )
@@ -73,7 +74,9 @@ def step_finished_rollouts(*, step: TrainingStep) -> list[FinishedRollout]:
         spans[row["rollout_id"]].append(row)
     return [
         FinishedRollout(rollout_id=r["pk"], mode=r["mode"] or "train", status=r["status"],
-                        input=r["input"], spans=spans[r["pk"]])
+                        input=r["input"], spans=spans[r["pk"]],
+                        version=staleness.rollout_version(r["resources_version"],
+                                                          spans[r["pk"]]))
         for r in rollouts
     ]
 

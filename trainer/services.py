@@ -20,7 +20,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import transaction
-from django.db.models import Q
+from django.db.models import F, Q
 from django.utils import timezone
 
 from lightning_site.processes import process_alive
@@ -33,7 +33,7 @@ from store.errors import IllegalTransition, InvalidInput
 from store.models import Project
 from store.services import RolloutSpec
 from store.statemachine import ROLLOUT_TERMINAL, RolloutConfig, RolloutStatus
-from trainer import checkpoints, delivery, distributed, selectors
+from trainer import checkpoints, delivery, distributed, selectors, staleness
 from trainer.algorithms import Algorithm, algorithm_load
 from trainer.lease import lease_kept
 from trainer.models import (
@@ -66,6 +66,11 @@ JOB_DEFAULTS: dict[str, Any] = {
     # a ready step whose task did not start by then is sent again
     "resend_seconds": 30,
     "keep_last": 10,
+    # asynchronous training (trainer/staleness.py): a sample is trained on only by a step
+    # that starts from a version at most this many versions newer than the one that produced
+    # it; 0: the synchronous loop. `steps_ahead` (default: max_staleness) is the pacing: how
+    # many later steps' rollouts may run while a step trains.
+    "max_staleness": 0,
     # the store's RolloutConfig of the job's rollouts: a killed runner's rollout is retried
     "rollout_config": {"timeout_seconds": 300, "unresponsive_seconds": 60, "max_attempts": 3,
                        "retry_condition": ["timeout", "unresponsive"]},
@@ -111,6 +116,8 @@ def job_create(
         raise InvalidInput("algorithm", str(exc)) from None
     if (why := distributed.world_size_error(merged, built)) is not None:
         raise InvalidInput("config.world_size", why)
+    if (problem := staleness.config_error(merged)) is not None:
+        raise InvalidInput(*problem)
     return TrainingJob.objects.create(
         project=project, name=name, agent=agent, algorithm=algorithm, config=merged,
         train_dataset=list(train_dataset), val_dataset=list(val_dataset or []),
@@ -148,7 +155,9 @@ def job_start(*, job_id: int) -> TrainingJob:
         )
         job.resources_id = version.resource_set.resources_id
         TrainingJob.objects.filter(pk=job.pk).update(resources_id=job.resources_id)
-        _step_plan(job, algorithm, n=0, resources_version=version.version)
+        for n in staleness.steps_in_flight(job_config(job), done=None,
+                                           total=job_config(job)["steps"]):
+            _step_plan(job, algorithm, n=n, resources_version=version.version)
     return job
 
 
@@ -217,6 +226,8 @@ def step_check_ready(*, step_id: int, now: datetime | None = None) -> bool:
         return False
     if step.status != StepStatus.ROLLING or step.job.status != JobStatus.RUNNING:
         return False
+    if not _turn_come(step):  # an asynchronous job's step planned ahead waits for its turn
+        return False
     finished = step.group is None or step.group.finished >= step.group.total
     overdue = step.deadline is not None and step.deadline <= now
     if not finished and not overdue:
@@ -235,6 +246,25 @@ def step_check_ready(*, step_id: int, now: datetime | None = None) -> bool:
     if moved and open_ids:
         _cancel_rollouts(step.job.project, open_ids)
     return bool(moved)
+
+
+def _turn_come(step: TrainingStep) -> bool:
+    """Step n trains from the version step n-1 produced: in an asynchronous job it may
+    become ready only once step n-1 is done (a synchronous job plans it only then)."""
+    if staleness.bound(job_config(step.job)) == 0 or step.n == 0:
+        return True
+    return TrainingStep.objects.filter(job_id=step.job_id, n=step.n - 1,
+                                       status=StepStatus.DONE).exists()
+
+
+def _base_version(step: TrainingStep) -> int:
+    """The version step n trains from: the one step n-1 produced, which is also the one its
+    rollouts pinned in a synchronous job (there, always `resources_version`)."""
+    if staleness.bound(job_config(step.job)) == 0 or step.n == 0:
+        return step.resources_version
+    previous = TrainingStep.objects.filter(job_id=step.job_id, n=step.n - 1).values_list(
+        "produced_version", flat=True).first()
+    return previous or step.resources_version
 
 
 def _cancel_rollouts(project: Project, rollout_ids: list[str]) -> None:
@@ -317,6 +347,11 @@ def step_train(*, step_id: int, worker: str | None = None,
     step = step_claim(step_id=step_id, worker=worker)
     if step is None:
         return "skipped"
+    if staleness.bound(job_config(step.job)) > 0:
+        stale = retry.call(lambda: _stale_count(step), what=f"step {step.pk}: staleness")
+        if stale:
+            return retry.call(lambda: _step_replan_stale(step, stale),
+                              what=f"step {step.pk}: planning a stale group again")
     failure = retry.call(lambda: _rollouts_failure(step), what=f"step {step.pk}: rollouts")
     if failure is not None:
         return retry.call(lambda: step_record_failure(
@@ -341,6 +376,33 @@ def _step_usage(meter: CpuMeter, result: TrainResult) -> store_services.Usage:
     name = cuda_held()[1] if result.devices else ""
     return store_services.Usage(cpu_seconds=meter.cpu_seconds(),
                                 gpu_seconds=result.seconds * result.devices, gpu_type=name)
+
+
+def _stale_count(step: TrainingStep) -> int:
+    """How many of the step's finished train rollouts were produced (in part) by a version
+    older than the bound allows for the version the step trains from."""
+    versions = [r.version for r in selectors.step_finished_rollouts(step=step)
+                if r.mode == "train" and r.succeeded]
+    return staleness.too_stale(versions, base=_base_version(step),
+                               limit=staleness.bound(job_config(step.job)))
+
+
+def _step_replan_stale(step: TrainingStep, stale: int) -> str:
+    """training -> rolling: the step's group aged past the bound, so its rollouts are planned
+    again against the current version (a new round; never dropped silently: counted on the
+    step and in its metrics). The try is given back: it was no failure."""
+    job = step.job
+    with transaction.atomic():
+        if not step_move(step.pk, expect=[StepStatus.TRAINING], to=None,
+                         where=Q(attempts=step.attempts)):
+            return "lost"
+        algorithm = algorithm_load(job.algorithm, job_config(job))
+        _step_plan(job, algorithm, n=step.n, resources_version=_base_version(step),
+                   round=step.round + 1, attempts=step.attempts - 1)
+        TrainingStep.objects.filter(pk=step.pk).update(
+            stale_replans=F("stale_replans") + 1,
+            stale_rollouts=F("stale_rollouts") + step.rollout_count)
+    return "replanned"
 
 
 def _rollouts_failure(step: TrainingStep) -> str | None:
@@ -371,9 +433,15 @@ def _train(step: TrainingStep) -> TrainResult:
     metrics = algorithm.report(rollouts)
     device = train_device()
     resource, published, devices = None, {}, 0
+    if staleness.bound(config) > 0:
+        base = _base_version(step)
+        metrics.update(staleness.staleness_metrics(
+            [r.version for r in rollouts if r.mode == "train" and r.succeeded], base=base))
+        metrics.update(samples_replanned=step.stale_rollouts, stale_replans=step.stale_replans,
+                       trained_from_version=base)
     if algorithm.trains and step.n < config["steps"]:
         version = store_selectors.resources_get(
-            project=job.project, resources_id=job.resources_id, version=step.resources_version
+            project=job.project, resources_id=job.resources_id, version=_base_version(step)
         )
         state = algorithm.load(checkpoints.find_checkpoint(version.resources))
         samples = algorithm.samples(rollouts)
@@ -430,7 +498,20 @@ def _advance(job: TrainingJob, step: TrainingStep, produced: int, now: datetime)
         )
         return
     algorithm = algorithm_load(job.algorithm, job_config(job))
-    _step_plan(job, algorithm, n=step.n + 1, resources_version=produced)
+    config = job_config(job)
+    if staleness.bound(config) == 0:
+        _step_plan(job, algorithm, n=step.n + 1, resources_version=produced)
+        return
+    # Asynchronous: plan what the pacing allows that is not planned yet (pinned to the
+    # version just produced), then the next step may be ready already: its group ran while
+    # this one trained.
+    planned = set(job.steps.values_list("n", flat=True))
+    for n in staleness.steps_in_flight(config, done=step.n, total=config["steps"]):
+        if n not in planned:
+            _step_plan(job, algorithm, n=n, resources_version=produced)
+    following = job.steps.filter(n=step.n + 1).values_list("pk", flat=True).first()
+    if following is not None:
+        transaction.on_commit(lambda: step_check_ready(step_id=following), robust=True)
 
 
 def _track_best(job: TrainingJob, step: TrainingStep, metrics: dict[str, Any]) -> None:
@@ -479,7 +560,7 @@ def step_record_failure(*, step_id: int, attempt: int, error: str,
                 where=Q(attempts=attempt), now=now, error=error, lease_until=None, sent_at=now)
             if moved and rerun_rollouts:
                 algorithm = algorithm_load(step.job.algorithm, job_config(step.job))
-                _step_plan(step.job, algorithm, n=step.n, resources_version=step.resources_version,
+                _step_plan(step.job, algorithm, n=step.n, resources_version=_replan_version(step),
                            round=step.round + 1, attempts=attempt, error=error)
             elif moved:
                 transaction.on_commit(lambda: delivery.send_train_step(step.pk), robust=True)
@@ -489,6 +570,14 @@ def step_record_failure(*, step_id: int, attempt: int, error: str,
         return "lost"
     _step_give_up(step, error)
     return "failed"
+
+
+def _replan_version(step: TrainingStep) -> int:
+    """The version a step's rollouts planned again pin: the same as before in a synchronous
+    job; the current one (the version the step trains from) in an asynchronous job."""
+    if staleness.bound(job_config(step.job)) == 0:
+        return step.resources_version
+    return _base_version(step)
 
 
 def _step_give_up(step: TrainingStep, error: str) -> None:
@@ -590,12 +679,20 @@ def _unpause(job: TrainingJob) -> None:
         ):
             raise JobError(f"job {job.pk} changed while resuming; try again")
         job.refresh_from_db()
-        step = job.steps.order_by("-n").first()
+        if staleness.bound(job_config(job)) > 0:
+            # steps planned ahead stay as they are; what the last done step did not plan
+            # (it finished while paused) is planned now, and its follower checked
+            step = job.steps.filter(status=StepStatus.DONE).order_by("-n").first()
+        else:
+            step = job.steps.order_by("-n").first()
         if step is not None and step.status == StepStatus.DONE:
             _advance(job, step, step.produced_version, _now())
 
 
 def _reopen(job: TrainingJob) -> None:
+    if staleness.bound(job_config(job)) > 0:
+        _reopen_async(job)
+        return
     step = job.steps.order_by("-n").first()
     with transaction.atomic():
         if not TrainingJob.objects.filter(pk=job.pk, status=job.status).update(
@@ -617,6 +714,41 @@ def _reopen(job: TrainingJob) -> None:
         algorithm = algorithm_load(job.algorithm, job_config(job))
         _step_plan(job, algorithm, n=step.n, resources_version=step.resources_version,
                    round=step.round + 1)
+
+
+def _reopen_async(job: TrainingJob) -> None:
+    """An asynchronous job runs again: the first unfinished step trains on its rollouts when
+    they all finished (the bound is checked again when it trains), else its rollouts run anew;
+    the steps planned ahead of it that did not finish are planned anew, all against the
+    current version, so the bound holds as in a job that never stopped."""
+    with transaction.atomic():
+        if not TrainingJob.objects.filter(pk=job.pk, status=job.status).update(
+            status=JobStatus.RUNNING, error="", finished_at=None
+        ):
+            raise JobError(f"job {job.pk} changed while resuming; try again")
+        job.refresh_from_db()
+        done = job.steps.filter(status=StepStatus.DONE).order_by("-n").first()
+        current = (done.produced_version if done is not None
+                   else job.steps.get(n=0).resources_version)
+        algorithm = algorithm_load(job.algorithm, job_config(job))
+        unfinished = list(job.steps.exclude(status=StepStatus.DONE).order_by("n"))
+        for index, step in enumerate(unfinished):
+            counts = selectors.step_rollout_counts(step=step)
+            rerun = (any(s not in ROLLOUT_TERMINAL for s in counts)
+                     or counts.get(RolloutStatus.CANCELLED))
+            if index == 0 and not rerun:
+                step_move(step.pk, expect=[step.status], to=StepStatus.READY, attempts=0,
+                          error="", sent_at=_now())
+                transaction.on_commit(lambda s=step.pk: delivery.send_train_step(s),
+                                      robust=True)
+            elif not rerun:  # its group finished: it waits for its turn as it did
+                step_move(step.pk, expect=[step.status], to=StepStatus.ROLLING, attempts=0,
+                          error="")
+            else:
+                _step_plan(job, algorithm, n=step.n, resources_version=current,
+                           round=step.round + 1)
+        if done is not None:
+            _advance(job, done, done.produced_version, _now())
 
 
 @dataclass

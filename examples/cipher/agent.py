@@ -16,7 +16,8 @@ from trainer.checkpoints import checkpoint_load, find_checkpoint
 AGENT_NAME = "decoder"
 # Rollouts run many to a process: one thread each keeps them from fighting over the cores.
 torch.set_num_threads(1)
-_policies: dict[str, torch.nn.Module] = {}
+_policies: dict[str, torch.nn.Module] = {}  # oldest first
+KEEP_POLICIES = 4
 
 
 def _policy(checkpoint: Mapping[str, Any]) -> torch.nn.Module:
@@ -26,7 +27,10 @@ def _policy(checkpoint: Mapping[str, Any]) -> torch.nn.Module:
         policy = build_policy()
         policy.load_state_dict(checkpoint_load(dict(checkpoint))["model"])
         policy.eval()
-        _policies.clear()  # rollouts move to the next version together: keep one
+        # a synchronous job's rollouts move to the next version together; an asynchronous
+        # job's run against a few versions at once (max_staleness + 1): keep that many
+        while len(_policies) >= KEEP_POLICIES:
+            _policies.pop(next(iter(_policies)))
         _policies[checkpoint["sha256"]] = policy
     return policy
 

@@ -117,6 +117,28 @@ def test_the_batch_distribution_is_each_rows_bit_for_bit(settings):
         assert torch.equal(rows[i], sampling.logprobs(logits[i], t, p))
 
 
+def test_async_tokens_of_an_older_version_get_a_truncated_importance_weight(tiny):
+    engine = Engine(tiny, device="cpu")
+    samples = samples_of(generated(engine))[1:]  # the sampled ones (greedy tokens: logp 0)
+    older = samples[0]  # as if an older version had acted: it liked its tokens e^1 x less
+    older.old_logprobs = [x - 1.0 if m else 0.0 for x, m in zip(older.old_logprobs,
+                                                                 older.mask, strict=True)]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    batch = grpo_lm._tensors(samples, {s.rollout_id: 1.0 for s in samples}, "cpu")
+    stats = grpo_lm.off_policy_correct(model, [batch], cap=2.0)
+    mask = batch["mask"].bool()
+    assert (batch["weights"][0][mask[0]] == 2.0).all()  # e^1 = 2.7, truncated at 2
+    assert (batch["weights"][1:][mask[1:]] - 1).abs().max().item() < 1e-4  # on-policy
+    assert stats["is_weight_truncated_fraction"] == pytest.approx(
+        float(mask[0].sum() / mask.sum()))
+    assert stats["is_weight_max"] == pytest.approx(2.718, abs=1e-2)
+    with torch.no_grad():  # the ratio is now against the proximal policy: 1 before updating
+        new = grpo_lm._token_logprobs(model, batch)
+    assert (torch.exp(new - batch["old"])[mask] - 1).abs().max().item() < 1e-4
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_a_shared_prefix_computed_once_gives_the_same_logprobs_and_gradients(tmp_path, arch):
     """grpo_lm runs the ids every row of a micro-batch starts with once (the system prompt,

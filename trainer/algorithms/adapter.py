@@ -29,6 +29,8 @@ class FinishedRollout:
     status: str
     input: Any
     spans: list[dict[str, Any]] = field(default_factory=list)  # {"name", "attributes", ...}
+    # The oldest resources version that produced any part of it (trainer/staleness.py)
+    version: int | None = None
 
     @property
     def succeeded(self) -> bool:
@@ -53,6 +55,7 @@ class Sample:
     actions: list[int]
     logprobs: list[float]
     reward: float
+    version: int | None = None  # the rollout's (FinishedRollout.version)
 
 
 def final_reward(spans: list[dict[str, Any]]) -> float | None:
@@ -110,6 +113,7 @@ class TripletAdapter:
                 actions=[int(span["attributes"][c.ATTR_ACTION])],
                 logprobs=[float(span["attributes"][c.ATTR_LOGPROB])],
                 reward=reward,
+                version=rollout.version,
             )
             for span in decisions
         ]
@@ -124,5 +128,6 @@ class TripletAdapter:
                 actions=[t.actions[0] for t in triplets],
                 logprobs=[t.logprobs[0] for t in triplets],
                 reward=reward,
+                version=rollout.version,
             )
         ]

@@ -31,6 +31,9 @@ DEFAULTS: dict[str, Any] = {
     "clip": 0.2,
     "entropy_coef": 0.0,
     "val_every": 5,
+    # Asynchronous jobs (max_staleness > 0): the truncation of the importance weight
+    # pi_prox / pi_behaviour (see `off_policy_correct`)
+    "importance_cap": 2.0,
 }
 
 
@@ -135,6 +138,9 @@ class GRPO(Algorithm):
         batch = _Batch.build([s for s in samples if s.rollout_id in advantages], advantages,
                              device)
         metrics: dict[str, Any] = {"samples": len(samples), "trained_samples": batch.size}
+        if batch.size and int(self.config.get("max_staleness") or 0) > 0:
+            metrics.update(off_policy_correct(policy, batch,
+                                              float(self.config["importance_cap"])))
         if batch.size:
             rank, world_size = distributed.world()
             model = distributed.wrap(policy)  # DDP in a process group; else the policy
@@ -157,6 +163,8 @@ class GRPO(Algorithm):
         clip = float(self.config["clip"])
         clipped = torch.clamp(ratio, 1 - clip, 1 + clip)
         objective = torch.min(ratio * batch.advantages, clipped * batch.advantages)
+        if batch.weights is not None:  # an asynchronous job's samples (off_policy_correct)
+            objective = objective * batch.weights
         entropies = -(logp_all.exp() * logp_all).sum(-1)
         if batch.totals is None:  # one process: the whole batch
             policy_loss = -objective.mean()
@@ -191,6 +199,8 @@ class _Batch:
     def __init__(self, observations, actions, owner, old_logprobs, advantages, size) -> None:
         self.observations, self.actions, self.owner = observations, actions, owner
         self.old_logprobs, self.advantages, self.size = old_logprobs, advantages, size
+        # truncated importance weights of an asynchronous job's samples; None: on-policy
+        self.weights = None
         # (global samples, global decisions, world size) for a rank's shard; None: whole
         self.totals: tuple[int, int, int] | None = None
 
@@ -204,6 +214,8 @@ class _Batch:
                       self.owner[first:last] - start, self.old_logprobs[start:stop],
                       self.advantages[start:stop], stop - start)
         part.totals = (self.size, int(self.actions.numel()), world_size)
+        if self.weights is not None:
+            part.weights = self.weights[start:stop]
         return part
 
     @classmethod
@@ -224,6 +236,25 @@ class _Batch:
                          device=device),
             len(samples),
         )
+
+
+def off_policy_correct(policy: torch.nn.Module, batch: _Batch, cap: float) -> dict[str, float]:
+    """Decoupled PPO for samples that older versions acted (asynchronous jobs): the clipped
+    ratio is taken against the proximal policy (the checkpoint the step trains from), and each
+    sample's objective is weighted by the importance weight pi_prox / pi_behaviour of its
+    recorded log-probabilities, truncated at `cap` (truncated importance sampling: a sample
+    the current policy likes far more than the acting one did cannot dominate the step).
+    Rewrites `batch.old_logprobs` to the proximal ones and sets `batch.weights`; returns the
+    weights' statistics."""
+    with torch.no_grad():
+        logp = torch.log_softmax(policy(batch.observations), dim=-1)
+        logp = logp.gather(1, batch.actions.unsqueeze(1)).squeeze(1)
+        proximal = torch.zeros(batch.size, device=logp.device).index_add(0, batch.owner, logp)
+        raw = torch.exp(proximal - batch.old_logprobs)
+    batch.weights = raw.clamp(max=cap)
+    batch.old_logprobs = proximal
+    return {"is_weight_mean": float(batch.weights.mean()), "is_weight_max": float(raw.max()),
+            "is_weight_truncated_fraction": float((raw > cap).float().mean())}
 
 
 def _to_cpu(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

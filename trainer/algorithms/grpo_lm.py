@@ -55,6 +55,9 @@ DEFAULTS: dict[str, Any] = {
     "kl_coef": 0.0,
     "micro_batch": 64,
     "max_grad_norm": 1.0,
+    # asynchronous jobs (max_staleness > 0): the truncation of the per-token importance
+    # weight pi_prox / pi_behaviour (see `off_policy_correct`)
+    "importance_cap": 2.0,
     "val_every": 1,
     # What agents are asked to use (the `llm` resource's sampling_parameters).
     "sampling_parameters": {"temperature": 1.0, "max_tokens": 16},
@@ -181,6 +184,9 @@ class GRPOLM(Algorithm):
         recomputed = sum(_fill_old(model, batch) for batch in batches)
         if recomputed:
             metrics["recomputed_samples"] = recomputed
+        if batches and int(self.config.get("max_staleness") or 0) > 0:
+            metrics.update(off_policy_correct(model, batches,
+                                              float(self.config["importance_cap"])))
         for _ in range(int(self.config["epochs"]) if trained else 0):
             metrics.update(self._epoch(model, reference, optimizer, params, batches))
         out = Path(tempfile.mkdtemp(prefix="grpo_lm-"))
@@ -208,6 +214,8 @@ class GRPOLM(Algorithm):
             ratio = torch.exp(new - batch["old"])
             adv = batch["advantage"].unsqueeze(1)
             surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - clip, 1 + clip) * adv)
+            if "weights" in batch:  # an asynchronous job's tokens (off_policy_correct)
+                surrogate = surrogate * batch["weights"]
             per_token = -surrogate
             if reference is not None:
                 base_only = (reference.disable_adapter() if reference is model
@@ -279,6 +287,32 @@ def _fill_old(model: Any, batch: dict[str, Any]) -> int:
         with torch.no_grad():
             batch["old"][rows] = _token_logprobs(model, batch)[rows] * batch["mask"][rows]
     return len(rows)
+
+
+def off_policy_correct(model: Any, batches: list[dict[str, Any]], cap: float
+                       ) -> dict[str, float]:
+    """Decoupled PPO per token, as `grpo.off_policy_correct`: the ratio is taken against the
+    proximal policy (the weights the step starts from, computed here before the first
+    update) and each generated token's objective is weighted by pi_prox / pi_behaviour of
+    its recorded log-probability, truncated at `cap`. Rewrites each batch's `old` and sets
+    its `weights`; returns the weights' statistics over generated tokens."""
+    import torch
+
+    total = truncated = 0.0
+    weight_sum, weight_max = 0.0, 0.0
+    for batch in batches:
+        mask = batch["mask"]
+        with torch.no_grad():
+            proximal = _token_logprobs(model, batch) * mask
+        raw = torch.exp(proximal - batch["old"]) * mask
+        batch["weights"] = raw.clamp(max=cap)
+        batch["old"] = proximal
+        total += float(mask.sum())
+        truncated += float(((raw > cap).float() * mask).sum())
+        weight_sum += float((batch["weights"] * mask).sum())
+        weight_max = max(weight_max, float(raw.max()))
+    return {"is_weight_mean": weight_sum / max(total, 1.0), "is_weight_max": weight_max,
+            "is_weight_truncated_fraction": truncated / max(total, 1.0)}
 
 
 def _logits(model: Any, batch: dict[str, Any]) -> Any:

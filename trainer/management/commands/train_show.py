@@ -32,6 +32,10 @@ class Command(BaseCommand):
                       f"device={step.device or '-'}"]
             fields += [f"{k}={m[k]:.4f}" for k in ("train_reward", "val_reward", "loss")
                        if isinstance(m.get(k), int | float)]
+            if "staleness_max" in m:  # an asynchronous job (README "Asynchronous training")
+                fields.append(f"staleness={m['staleness_mean']:.2f}/max {m['staleness_max']}")
+            if m.get("samples_replanned"):
+                fields.append(f"replanned={m['samples_replanned']}")
             self.stdout.write("  ".join(fields))
         self.stdout.write(f"cost: job {selectors.job_usage(job=job).describe()}; project "
                           f"{job.project.name} "

@@ -1,0 +1,189 @@
+"""Asynchronous against synchronous training on a long-tailed agent. Prints figures; asserts
+nothing.
+
+    .venv/bin/python bench/async_bench.py [--steps 12] [--bound 2] [--concurrency 64]
+        [--median 0.5] [--sigma 1.2]
+
+The same cipher-MLP GRPO job (the example's config, `--steps` training steps, validation every
+4 and after the last update) runs twice in this process, `max_staleness=0` then
+`max_staleness=--bound`, with an agent whose episodes sleep a lognormal time drawn from the
+rollout's seed (`--median` seconds, `--sigma`: p99 / p50 = e^(2.33 sigma), 16x at 1.2) before
+decoding: what is measured is the scheduling, not the agent. Embedded default (SQLite in a
+temporary LIGHTNING_DATA_DIR, in-process workers: `--concurrency` rollout threads, one
+training thread) unless DATABASE_URL and CELERY_BROKER_URL are set; then the deployment's
+database and broker with worker processes started here (`celery worker -Q rollouts -c
+--concurrency` and `-Q training -c 1`).
+
+For each run: wall time from the job's start to its last step done, the rollout workers' busy
+fraction (attempt seconds / (wall x slots)), the training worker's busy fraction (train seconds
+/ wall), the staleness of the samples used, and the validation reward per step (measured on
+the version the step's rollouts pinned). Last line, exactly (one line):
+
+    async speedup=<wall_sync/wall_async> max_staleness_seen=<k> bound=<s>
+    reward_sync=<r> reward_async=<r>
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# The agent's sleep (read from the environment so worker processes draw the same ones).
+MEDIAN = float(os.environ.get("ASYNC_BENCH_MEDIAN", "0.5"))
+SIGMA = float(os.environ.get("ASYNC_BENCH_SIGMA", "1.2"))
+
+
+def episode_seconds(seed: int) -> float:
+    """A lognormal duration drawn from the rollout's seed (capped at 60 s)."""
+    rng = random.Random(seed * 7919 + 17)
+    return min(MEDIAN * math.exp(rng.gauss(0.0, SIGMA)), 60.0)
+
+
+def long_tail_agent(task, resources) -> None:
+    """The cipher agent after a heavy-tailed sleep (validation episodes included)."""
+    from examples.cipher.agent import cipher_agent
+
+    time.sleep(episode_seconds(int(task["seed"])))
+    cipher_agent(task, resources)
+
+
+def _setup(distributed: bool) -> None:
+    if not distributed:
+        for name in ("DATABASE_URL", "CELERY_BROKER_URL"):
+            os.environ.pop(name, None)
+        os.environ["LIGHTNING_DATA_DIR"] = tempfile.mkdtemp(prefix="async-bench-")
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "lightning_site.settings")
+    os.environ.setdefault("LOG_LEVEL", "WARNING")
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    call_command("migrate", verbosity=0)
+
+
+def _create(steps: int, bound: int) -> int:
+    from examples.cipher import job_spec
+    from store import services as store_services
+    from trainer import services
+
+    spec = job_spec(seed=0, steps=steps)
+    spec["config"].update(max_staleness=bound, val_every=4)
+    project = store_services.project_create(name=f"async-bench-{uuid.uuid4().hex[:8]}")
+    return services.job_create(
+        project=project, agent="bench.async_bench.long_tail_agent", algorithm="grpo",
+        config=spec["config"], train_dataset=spec["train_dataset"],
+        val_dataset=spec["val_dataset"],
+    ).pk
+
+
+def _run(job_id: int) -> float:
+    from trainer import services
+    from trainer.models import JOB_TERMINAL, TrainingJob
+
+    started = time.perf_counter()
+    services.job_start(job_id=job_id)
+    while TrainingJob.objects.get(pk=job_id).status not in JOB_TERMINAL:
+        time.sleep(0.1)
+    return time.perf_counter() - started
+
+
+def _report(job_id: int, wall: float, slots: int) -> dict:
+    from store.models import Attempt
+    from trainer import selectors
+    from trainer.models import TrainingJob
+
+    job = TrainingJob.objects.get(pk=job_id)
+    bound = job.config["max_staleness"]
+    steps = list(job.steps.order_by("n"))
+    attempts = Attempt.objects.filter(rollout__in=selectors.job_rollouts(job=job),
+                                      end_time__isnull=False)
+    busy = sum((a.end_time - a.start_time).total_seconds() for a in attempts)
+    trained = sum(s.timings.get("train_seconds", 0.0) for s in steps)
+    seen = max((s.metrics.get("staleness_max", 0) for s in steps), default=0)
+    replanned = sum(s.stale_rollouts for s in steps)
+    durations = sorted(episode_seconds(int(a.rollout.input["seed"]))
+                       for a in attempts.select_related("rollout"))
+    p50, p99 = durations[len(durations) // 2], durations[int(len(durations) * 0.99)]
+    tag = f"[max_staleness={bound}]"
+    print(f"{tag} job {job.pk} {job.status}{'' if job.status == 'succeeded' else job.error}")
+    print(f"{tag} wall time to {len(steps) - 1} training steps + final evaluation: {wall:.1f}s")
+    print(f"{tag} rollout workers busy {busy / (wall * slots):.1%} ({len(durations)} "
+          f"episodes, {slots} slots; episode sleep p50 {p50:.2f}s p99 {p99:.2f}s = "
+          f"{p99 / p50:.1f}x)")
+    print(f"{tag} training worker busy {trained / wall:.1%} ({trained:.1f}s training)")
+    print(f"{tag} staleness of samples used: max {seen}, re-planned rollouts {replanned}")
+    rewards = "  ".join(f"{s.n}:{s.metrics['val_reward']:.3f}@v{s.resources_version}"
+                        for s in steps if "val_reward" in s.metrics)
+    print(f"{tag} validation reward per step (step:reward@version) {rewards}")
+    return {"wall": wall, "seen": seen, "reward": steps[-1].metrics.get("val_reward", 0.0)}
+
+
+def _workers(slots: int) -> list[subprocess.Popen]:
+    processes = []
+    for queue, concurrency in (("rollouts", slots), ("training", 1)):
+        log = open(Path(tempfile.gettempdir()) / f"async-bench-{queue}.log", "wb")  # noqa: SIM115
+        processes.append(subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "lightning_site", "worker", "-Q", queue,
+             "-c", str(concurrency), "-P", "threads" if queue == "rollouts" else "prefork",
+             "-n", f"async-bench-{queue}-{uuid.uuid4().hex[:6]}@%h", "--without-gossip",
+             "--without-mingle", "-l", "WARNING"],
+            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        ))
+    time.sleep(8)  # let both workers connect before the first message (not measured)
+    return processes
+
+
+def main(steps: int, bound: int, slots: int) -> None:
+    distributed = bool(os.environ.get("DATABASE_URL") and os.environ.get("CELERY_BROKER_URL"))
+    _setup(distributed)
+    print(f"async bench: cipher MLP, GRPO, {steps} steps, "
+          f"{'distributed' if distributed else 'embedded default'}, {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.1f}")
+    results = {}
+    for s in (0, bound):
+        job_id = _create(steps, s)
+        if distributed:
+            workers = _workers(slots)
+            try:
+                wall = _run(job_id)
+            finally:
+                for process in workers:
+                    os.killpg(process.pid, signal.SIGTERM)
+                    process.wait(timeout=60)
+        else:
+            from lightning_site.embedded import embedded_workers
+
+            with embedded_workers(concurrency={"rollouts": slots}):
+                wall = _run(job_id)
+        results[s] = _report(job_id, wall, slots)
+    sync, fast = results[0], results[bound]
+    print(f"async speedup={sync['wall'] / fast['wall']:.2f} max_staleness_seen={fast['seen']} "
+          f"bound={bound} reward_sync={sync['reward']:.3f} reward_async={fast['reward']:.3f}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--bound", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=64, help="rollout slots")
+    parser.add_argument("--median", type=float, default=MEDIAN)
+    parser.add_argument("--sigma", type=float, default=SIGMA)
+    args = parser.parse_args()
+    os.environ["ASYNC_BENCH_MEDIAN"], os.environ["ASYNC_BENCH_SIGMA"] = (
+        str(args.median), str(args.sigma))
+    MEDIAN, SIGMA = args.median, args.sigma
+    main(args.steps, args.bound, args.concurrency)

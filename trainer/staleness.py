@@ -1,0 +1,87 @@
+"""Asynchronous training's rules, as pure functions (no rows): the staleness bound, the
+pacing of steps planned ahead, and how old a sample is.
+
+Versions are the job's resources versions (version k = checkpoint k-1). Step n trains from
+version n+1 (the one step n-1 produced) and produces n+2. A job's config `max_staleness` (s,
+default 0: the synchronous loop) is the bound: the step that trains from version v uses a
+sample only if every decision or token of it was produced by a version >= v - s. `steps_ahead`
+(default s, at most s) is the pacing: once step n-1 has produced version L, steps up to
+n + steps_ahead may be rolling, pinned to L, so their samples are at most `steps_ahead`
+versions old when their step trains; the runners keep working while a step trains.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from statistics import fmean
+from typing import Any
+
+from trainer import conventions as c
+
+# The most versions a sample may lag that a job may ask for (each step ahead holds a group of
+# rollouts in flight; more than this is a typo, not a plan).
+MAX_BOUND = 16
+
+
+def bound(config: Mapping[str, Any]) -> int:
+    """The job's `max_staleness` (0: synchronous)."""
+    return int(config.get("max_staleness") or 0)
+
+
+def steps_ahead(config: Mapping[str, Any]) -> int:
+    """How many steps after the one training may have their groups in flight."""
+    ahead = config.get("steps_ahead")
+    return bound(config) if ahead is None else int(ahead)
+
+
+def config_error(config: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(field, why) when the async settings are unusable, else None."""
+    s = config.get("max_staleness", 0)
+    if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= MAX_BOUND:
+        return "config.max_staleness", f"must be an integer from 0 to {MAX_BOUND} (versions)"
+    ahead = config.get("steps_ahead")
+    if ahead is not None and (isinstance(ahead, bool) or not isinstance(ahead, int)
+                              or not 0 <= ahead <= s):
+        return ("config.steps_ahead", f"must be an integer from 0 to max_staleness ({s}): a "
+                "step planned further ahead would always be too stale to train on")
+    cap = config.get("importance_cap", 2.0)
+    if isinstance(cap, bool) or not isinstance(cap, int | float) or cap < 1:
+        return "config.importance_cap", "must be a number >= 1"
+    return None
+
+
+def steps_in_flight(config: Mapping[str, Any], *, done: int | None, total: int) -> range:
+    """The steps that may exist (planned) once step `done` finished (None: at the start). The
+    final, evaluation-only step (n == total) is planned only after the last update, so it
+    evaluates the final version."""
+    first = 0 if done is None else done + 1
+    if first >= total:
+        return range(first, first + 1)
+    return range(first, min(first + steps_ahead(config), total - 1) + 1)
+
+
+def rollout_version(pinned: int | None, spans: Iterable[Mapping[str, Any]]) -> int | None:
+    """The oldest version that produced any part of a rollout: its pinned resources version,
+    or older when an LLM call span says an older checkpoint served it (the gateway records
+    `lightning.llm.version`, a checkpoint index: resources version = index + 1)."""
+    versions = [] if pinned is None else [pinned]
+    for span in spans:
+        served = (span.get("attributes") or {}).get(c.LLM_VERSION)
+        if isinstance(served, int) and not isinstance(served, bool):
+            versions.append(served + 1)
+    return min(versions) if versions else None
+
+
+def too_stale(versions: Iterable[int | None], *, base: int, limit: int) -> int:
+    """How many of the versions lag `base` by more than `limit`."""
+    return sum(1 for v in versions if v is not None and base - v > limit)
+
+
+def staleness_metrics(versions: list[int | None], *, base: int) -> dict[str, Any]:
+    """Per-step figures of the samples used: mean and max staleness (versions behind the one
+    the step trains from) and the fraction produced by an older version."""
+    ages = [base - v for v in versions if v is not None]
+    if not ages:
+        return {}
+    return {"staleness_mean": fmean(ages), "staleness_max": max(ages),
+            "stale_sample_fraction": sum(1 for a in ages if a > 0) / len(ages)}
