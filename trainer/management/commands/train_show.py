@@ -25,6 +25,7 @@ class Command(BaseCommand):
         self.stdout.write(f"job {job.pk} {job.name} [{job.status}] agent={job.agent} "
                           f"algorithm={job.algorithm} steps={job.total_steps} "
                           f"checkpoints={job.resources_id} best=v{job.best_version or '-'}")
+        waiting = {step.pk: reason for step, reason in selectors.waiting_steps(job_id=job.pk)}
         for step in job.steps.order_by("n"):
             m = step.metrics
             fields = [f"step {step.n:3d}", f"{step.status:9s}", f"v{step.resources_version}"
@@ -32,6 +33,8 @@ class Command(BaseCommand):
                       f"device={step.device or '-'}"]
             fields += [f"{k}={m[k]:.4f}" for k in ("train_reward", "val_reward", "loss")
                        if isinstance(m.get(k), int | float)]
+            if step.pk in waiting:
+                fields.append(f"waiting: {waiting[step.pk]}")
             self.stdout.write("  ".join(fields))
         self.stdout.write(f"cost: job {selectors.job_usage(job=job).describe()}; project "
                           f"{job.project.name} "
