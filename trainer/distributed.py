@@ -195,6 +195,12 @@ def _rank_main(rank: int, world_size: int, backend: str, rendezvous: str, result
     import torch.distributed as dist
 
     _die_with_parent(parent)
+    if os.environ.get("DJANGO_SETTINGS_MODULE"):
+        # The worker is a Django process, and an algorithm's update may read settings or
+        # import modules that need the app registry (grpo_lm's transformers quieting).
+        import django
+
+        django.setup()
     device = "cpu"
     if backend == "nccl":
         torch.cuda.set_device(rank)
