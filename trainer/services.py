@@ -55,6 +55,9 @@ JOB_DEFAULTS: dict[str, Any] = {
     "seed": 0,
     # local processes of one train step (DDP; trainer/distributed.py); 1: in the worker itself
     "world_size": 1,
+    # how those processes share the model: "ddp" (a copy each, gradients all-reduced) or
+    # "fsdp" (FSDP2: parameters sharded, checkpoints through torch.distributed.checkpoint)
+    "parallel": "ddp",
     # tries of one train step (a worker killed mid-step counts) before the job fails
     "max_step_attempts": 3,
     # a step whose share of failed train rollouts, or of failed validation rollouts, is above
@@ -115,6 +118,8 @@ def job_create(
         raise InvalidInput("algorithm", str(exc)) from None
     if (why := distributed.world_size_error(merged, built)) is not None:
         raise InvalidInput("config.world_size", why)
+    if (why := distributed.parallel_error(merged, built)) is not None:
+        raise InvalidInput("config.parallel", why)
     try:
         need = devices.resources_parse(merged.get("resources"))
     except devices.ResourcesError as exc:
@@ -402,7 +407,8 @@ def _train(step: TrainingStep) -> TrainResult:
         samples = algorithm.samples(rollouts)
         if (world_size := distributed.world_size_of(config)) > 1:
             update, device = distributed.update(algorithm, step=step.n, state=state,
-                                                samples=samples, world_size=world_size)
+                                                samples=samples, world_size=world_size,
+                                                parallel=distributed.parallel_of(config))
         else:
             update = algorithm.update(step=step.n, state=state, samples=samples,
                                       device=device)
