@@ -68,3 +68,44 @@ def run_takeovers(node: str, pid: int) -> dict[str, int]:
             log.exception("takeover %s failed", name)
             counts[name] = -1
     return counts
+
+
+# The live workers' devices per queue: the runners app (the worker registry) provides them;
+# the trainer reads them to say why a step that needs resources waits (lightning_site/
+# devices.py). A list of (worker name, its CUDA devices).
+WorkerDevices = Callable[[str], list[tuple[str, list[dict]]]]
+_worker_devices: list[WorkerDevices] = []
+
+
+def register_worker_devices(provider: WorkerDevices) -> WorkerDevices:
+    """Register (or replace) the provider of live workers' devices."""
+    _worker_devices[:] = [provider]
+    return provider
+
+
+def live_worker_devices(queue: str) -> list[tuple[str, list[dict]]] | None:
+    """(name, devices) of the live workers serving `queue`; None when no provider is wired."""
+    return _worker_devices[0](queue) if _worker_devices else None
+
+
+# What waits, and why, for pages and commands of another app (queue_watch is runners', the
+# training steps are the trainer's): each reporter takes a project id (None: every project)
+# and returns one line per waiting thing.
+WaitingReporter = Callable[[int | None], list[str]]
+_waiting: dict[str, WaitingReporter] = {}
+
+
+def register_waiting(name: str, reporter: WaitingReporter) -> WaitingReporter:
+    """Register (or replace) the waiting reporter called `name`."""
+    _waiting[name] = reporter
+    return reporter
+
+
+def waiting_lines(project_id: int | None = None) -> list[str]:
+    lines: list[str] = []
+    for name, reporter in list(_waiting.items()):
+        try:
+            lines.extend(reporter(project_id))
+        except Exception:  # a report must not break the page or command that shows it
+            log.exception("waiting reporter %s failed", name)
+    return lines

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
 
+from lightning_site.devices import parse_override as devices_parse_override
 from lightning_site.env import (
     database_from_url,
     env_bool,
@@ -302,6 +303,13 @@ SCALE_TRAINING_SLOTS_PER_WORKER = env_int("SCALE_TRAINING_SLOTS_PER_WORKER", 1, 
 # Celery workers heartbeat this often; silent for WORKERS_LOST_AFTER_SECONDS, they are "lost".
 WORKERS_HEARTBEAT_SECONDS = env_float("WORKERS_HEARTBEAT_SECONDS", 15.0, minimum=0.1)
 WORKERS_LOST_AFTER_SECONDS = env_float("WORKERS_LOST_AFTER_SECONDS", 60.0, minimum=1.0)
+# The CUDA devices a worker registers and claims training steps with (lightning_site/devices.py):
+# unset, torch's; set (JSON, `[{"name": "NVIDIA A100-SXM4-80GB", "memory_gb": 80}]`, `[]` for
+# none), these instead: tests, and a CPU machine described as something else.
+try:
+    WORKERS_CUDA_DEVICES = devices_parse_override(env_str("WORKERS_CUDA_DEVICES"))
+except ValueError as exc:
+    raise ImproperlyConfigured(f"WORKERS_CUDA_DEVICES {exc}") from None
 # The store's watchdog sweep, and reconciliation (re-sends, lost workers), in seconds.
 LIGHTNING_SWEEP_SECONDS = env_int("LIGHTNING_SWEEP_SECONDS", 5, minimum=1)
 LIGHTNING_RECONCILE_SECONDS = env_int("LIGHTNING_RECONCILE_SECONDS", 15, minimum=1)

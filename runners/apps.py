@@ -4,7 +4,7 @@ from django.apps import AppConfig
 from django.core import checks
 
 from lightning_site.celery import app as celery_app
-from lightning_site.control import register_takeover
+from lightning_site.control import register_takeover, register_worker_devices
 from lightning_site.queues import Queue
 from lightning_site.scaling import register_backlog
 from runners.checks import check_settings
@@ -29,3 +29,5 @@ class RunnersConfig(AppConfig):
             services.celery_worker_take_over(name=node, pid=pid)))
         # The scaling signal counts the Celery rollouts (README "Scaling").
         register_backlog(Queue.ROLLOUTS.value, selectors.celery_rollout_backlog)
+        # The trainer says why a step that needs GPUs waits from the live workers' devices.
+        register_worker_devices(selectors.live_worker_devices)

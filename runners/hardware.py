@@ -9,17 +9,14 @@ from typing import Any
 
 import torch
 
+from lightning_site.devices import local_devices
+
 _PACKAGES = ("lightning-orchestrator", "celery", "kombu", "Django", "torch")
 
 
 def cuda_devices() -> list[dict[str, Any]]:
-    if not torch.cuda.is_available():
-        return []
-    devices = []
-    for index in range(torch.cuda.device_count()):
-        props = torch.cuda.get_device_properties(index)
-        devices.append({"index": index, "name": props.name, "total_memory": props.total_memory})
-    return devices
+    """torch's CUDA devices, or WORKERS_CUDA_DEVICES where set (lightning_site/devices.py)."""
+    return local_devices()
 
 
 def versions() -> dict[str, str]:

@@ -90,6 +90,12 @@ def celery_rollout_backlog() -> tuple[int, int]:
     return (sum(counts.get(s, 0) for s in QUEUED), sum(counts.get(s, 0) for s in live))
 
 
+def live_worker_devices(queue: str) -> list[tuple[str, list[dict]]]:
+    """(name, registered CUDA devices) of each live worker serving `queue`."""
+    return [(w.name, list(w.cuda_devices or [])) for w in celery_workers_live()
+            if queue in (w.queues or [])]
+
+
 def queue_states() -> list[QueueState]:
     live = celery_workers_live()
     return [queue_state(queue=q.value, live=live) for q in Queue]

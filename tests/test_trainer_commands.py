@@ -257,3 +257,17 @@ def test_a_job_that_cannot_write_its_first_checkpoint_fails_instead_of_staying_p
     assert "could not start: RuntimeError('no policy today')" in train_error("spec.json")
     job = TrainingJob.objects.get()
     assert job.status == JobStatus.FAILED and "no policy today" in job.error
+
+
+@pytest.mark.django_db(transaction=True)
+def test_train_parallel_and_resources_reach_the_job_config(no_sends):
+    call_command("train", "examples.cipher", "--no-follow", "--steps", "1", "--world-size", "2",
+                 "--parallel", "fsdp", "--set", 'resources={"gpus": 2, "gpu_memory_gb": 40}',
+                 stdout=StringIO())
+    job = TrainingJob.objects.get()
+    assert (job.config["world_size"], job.config["parallel"], job.config["resources"]) == (
+        2, "fsdp", {"gpus": 2, "gpu_memory_gb": 40})
+    message = train_error("examples.cipher", "--set", 'resources={"gpu_type": ["A100", "H100"]}')
+    assert "config.resources.gpu_type: one job's GPUs are one type" in message
+    assert "mixed types are refused" in message
+    assert TrainingJob.objects.count() == 1

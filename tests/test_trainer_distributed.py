@@ -233,3 +233,58 @@ def test_prefork_celery_worker_runs_a_world_size_2_step(rabbitmq_url, celery_wor
         wait_until(finished, timeout=300, message="the world_size 2 job did not finish")
     assert job.status == JobStatus.SUCCEEDED, job.error
     assert job.steps.get(n=0).device == "cpu x2"
+
+
+@pytest.mark.slow
+@pytest.mark.django_db
+def test_fsdp_world_size_2_checkpoint_loads_at_world_size_1_with_the_same_update(
+        settings, tmp_path):
+    """parallel: fsdp shards the cipher MLP with FSDP2 (fully_shard, gloo on the CPU); the
+    ranks write the new state with torch.distributed.checkpoint; stored as the step's
+    checkpoint, it loads in one process (a world_size=1 step, an agent) and equals one
+    process's update; the next step trains from it at world size 1 and 2 alike."""
+    settings.STORAGES = {**settings.STORAGES, "checkpoints": {
+        "BACKEND": "django.core.files.storage.FileSystemStorage",
+        "OPTIONS": {"location": str(tmp_path)}}}
+    algorithm = GRPO({**job_spec(seed=0)["config"], "parallel": "fsdp"})
+    state = algorithm.init_state()
+    samples = act_samples(state["model"], tasks=7, group_size=5, seed=4)
+    one = algorithm.update(step=1, state=state, samples=samples, device="cpu")
+    two, device = distributed.update(algorithm, step=1, state=state, samples=samples,
+                                     world_size=2, parallel="fsdp")
+    assert device == "cpu x2" and set(two.state) == {"dcp"}
+    sharded_dir = two.state["dcp"]
+    resource = algorithm.save(two.state, name_prefix="jobs/fsdp", step=2)
+    assert not os.path.exists(sharded_dir)  # stored, then removed
+    assert resource["format"] == "hf-dir" and ".metadata" in resource["files"]
+    assert sum(name.endswith(".distcp") for name in resource["files"]) == 2  # a shard a rank
+    loaded = GRPO(job_spec(seed=0)["config"]).load(resource)  # a world_size=1 job's load
+    difference = max_weight_difference(one.state["model"], loaded["model"])
+    print(f"\nworld_size 2 (FSDP2, gloo) vs 1, cipher MLP, {one.metrics['trained_samples']} "
+          f"samples: max abs weight difference {difference:.3g}")
+    assert difference < 1e-4
+    assert two.metrics["loss"] == pytest.approx(one.metrics["loss"], abs=1e-5)
+    # The optimizer's state came through too: the next step from either checkpoint agrees.
+    more = act_samples(one.state["model"], tasks=3, group_size=4, seed=9)
+    after_one = algorithm.update(step=2, state=one.state, samples=more, device="cpu")
+    after_two = algorithm.update(step=2, state=loaded, samples=more, device="cpu")
+    assert max_weight_difference(after_one.state["model"], after_two.state["model"]) < 1e-4
+    sharded, _ = distributed.update(algorithm, step=2, state=loaded, samples=more,
+                                    world_size=2, parallel="fsdp")
+    after_sharded = algorithm.load(algorithm.save(sharded.state, name_prefix="jobs/fsdp",
+                                                  step=3))
+    assert max_weight_difference(after_one.state["model"], after_sharded["model"]) < 1e-4
+
+
+@pytest.mark.django_db
+def test_parallel_must_be_ddp_or_fsdp_and_fsdp_needs_an_algorithm_that_shards():
+    spec = job_spec(steps=1)
+    project = store_services.project_create(name="par")
+    with pytest.raises(InvalidInput, match="config.parallel: must be one of ddp, fsdp"):
+        services.job_create(project=project, agent=spec["agent"], algorithm="grpo",
+                            config={**spec["config"], "parallel": "zero3"},
+                            train_dataset=spec["train_dataset"])
+    with pytest.raises(InvalidInput, match="config.parallel: GRPOLM does not shard"):
+        services.job_create(project=project, agent=spec["agent"], algorithm="grpo_lm",
+                            config={"model": "examples/none", "parallel": "fsdp"},
+                            train_dataset=spec["train_dataset"])

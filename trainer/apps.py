@@ -1,6 +1,6 @@
 from django.apps import AppConfig
 
-from lightning_site.control import register_reconciler, register_takeover
+from lightning_site.control import register_reconciler, register_takeover, register_waiting
 from lightning_site.queues import Queue
 from lightning_site.scaling import register_backlog
 from store import hooks
@@ -28,3 +28,5 @@ class TrainerConfig(AppConfig):
         register_takeover("training_steps", services.steps_take_over)
         # The scaling signal of the training queue counts its steps (README "Scaling").
         register_backlog(Queue.TRAINING.value, selectors.training_backlog)
+        # queue_watch (runners) shows steps no live training worker can take, with the reason.
+        register_waiting("training_steps", selectors.waiting_lines)

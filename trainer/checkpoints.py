@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import io
 import shutil
+import tempfile
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -27,7 +28,9 @@ from django.core.files.storage import storages
 
 RESOURCE_TYPE = "checkpoint"
 FORMAT = "torch.save"
-DIR_FORMAT = "hf-dir"  # a directory: safetensors weights, config and tokenizer files
+DIR_FORMAT = "hf-dir"
+# A directory checkpoint holding this file was written by torch.distributed.checkpoint (FSDP).
+DCP_METADATA = ".metadata"  # a directory: safetensors weights, config and tokenizer files
 STORAGE_ALIAS = "checkpoints"
 _CACHE_SIZE = 8
 
@@ -80,6 +83,10 @@ def checkpoint_load(resource: dict[str, Any]) -> dict[str, Any]:
     cached = _cache_get(sha)
     if cached is not None:
         return cached
+    if resource.get("format") == DIR_FORMAT and DCP_METADATA in (resource.get("files") or []):
+        payload = _dcp_load(checkpoint_local_dir(resource))
+        _cache_put(sha, payload)
+        return payload
     storage = _storage(resource.get("storage", STORAGE_ALIAS))
     try:
         with storage.open(resource["name"], "rb") as handle:
@@ -93,6 +100,18 @@ def checkpoint_load(resource: dict[str, Any]) -> dict[str, Any]:
     payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     _cache_put(sha, payload)
     return payload
+
+
+def _dcp_load(directory: Path) -> dict[str, Any]:
+    """The whole state a torch.distributed.checkpoint directory holds (an FSDP step's
+    shards, written by every rank), as full tensors in this one process: no process group
+    needed, so a world_size=1 step or an agent loads what world_size=N saved."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory(prefix="lightning-dcp-load-") as tmp:
+        dcp_to_torch_save(directory, Path(tmp) / "state.pt")
+        return torch.load(Path(tmp) / "state.pt", map_location="cpu", weights_only=True)
 
 
 def checkpoint_delete(resource: dict[str, Any]) -> None:

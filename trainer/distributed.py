@@ -24,9 +24,11 @@ algorithm written for one process runs unchanged there (bit for bit).
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -69,6 +71,28 @@ def world_size_error(config: dict[str, Any], algorithm: Algorithm) -> str | None
 
 # --- inside a rank (and no-ops in a single process) ------------------------------------------
 
+PARALLEL = ("ddp", "fsdp")
+
+
+def parallel_of(config: dict[str, Any]) -> str:
+    return str(config.get("parallel", "ddp"))
+
+
+def parallel_error(config: dict[str, Any], algorithm: Algorithm) -> str | None:
+    """Why the job's `parallel` is not usable (one line), None when it is."""
+    value = config.get("parallel", "ddp")
+    if value not in PARALLEL:
+        return f"must be one of {', '.join(PARALLEL)}, got {value!r}"
+    if value == "fsdp" and not algorithm.runs_fsdp:
+        return f"{type(algorithm).__name__} does not shard its parameters; parallel must be ddp"
+    return None
+
+
+# Set in a rank by _rank_main: how `wrap` distributes the model, and where an FSDP step's
+# sharded checkpoint goes (torch.distributed.checkpoint; `save_sharded`).
+_rank_setup: dict[str, str] = {}
+
+
 def world() -> tuple[int, int]:
     """(rank, world size) of this process: (0, 1) outside a process group."""
     import torch.distributed as dist
@@ -83,16 +107,69 @@ def shard_bounds(count: int, rank: int, world_size: int) -> tuple[int, int]:
     return count * rank // world_size, count * (rank + 1) // world_size
 
 
+def sharded() -> bool:
+    """This rank shards its parameters (FSDP2): job config `parallel: fsdp`, world size > 1."""
+    return world()[1] > 1 and _rank_setup.get("parallel") == "fsdp"
+
+
 def wrap(model: torch.nn.Module) -> torch.nn.Module:
-    """`model` under DistributedDataParallel in a process group, else `model` itself."""
+    """`model` under DistributedDataParallel in a process group, or sharded in place with
+    FSDP2's `fully_shard` (`parallel: fsdp`; its parameters become DTensors, so optimizers
+    are made after this), else `model` itself."""
     rank, size = world()
     if size == 1:
         return model
+    if sharded():
+        from torch.distributed.fsdp import fully_shard
+
+        return fully_shard(model)
     from torch.nn.parallel import DistributedDataParallel
 
     device = next(model.parameters()).device
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
                                    else None)
+
+
+def optimizer_load(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   state: dict[str, Any]) -> None:
+    """Load a full optimizer state (torch's own, keyed by parameter index, or keyed by
+    parameter name as a torch.distributed.checkpoint checkpoint holds it) into `optimizer`
+    of `model`, sharded or not."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_optimizer_state_dict,
+    )
+
+    if not state["state"]:
+        # A fresh optimizer (checkpoint 0): nothing to load, its settings are the config's.
+        # (set_optimizer_state_dict would first take a zero step to make the state, and
+        # Adam's bias correction would then count one step too many.)
+        return
+    names = [name for name, _ in model.named_parameters()]
+    if all(isinstance(p, int) for group in state["param_groups"] for p in group["params"]):
+        if not sharded():
+            optimizer.load_state_dict(state)
+            return
+        state = {"state": {names[i]: v for i, v in state["state"].items()},
+                 "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
+                                  for g in state["param_groups"]]}
+    # A copy: the optimizer may keep the given tensors and update them in place, and a
+    # loaded checkpoint's tensors are shared through trainer.checkpoints' cache.
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=copy.deepcopy(state),
+                             options=StateDictOptions(full_state_dict=True))
+
+
+def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Every rank writes its shards of the model and optimizer with
+    torch.distributed.checkpoint into the try's checkpoint directory; the state to save:
+    {"dcp": directory} (trainer/checkpoints.py stores and loads it at any world size)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state},
+             checkpoint_id=_rank_setup["dcp"])
+    return {"dcp": _rank_setup["dcp"]}
 
 
 def all_sum(values: list[float], device: str | torch.device = "cpu") -> list[float]:
@@ -119,11 +196,27 @@ def backend_for(world_size: int) -> str:
 
 
 def update(algorithm: Algorithm, *, step: int, state: dict[str, Any], samples: list[Sample],
-           world_size: int) -> tuple[Update, str]:
+           world_size: int, parallel: str = "ddp") -> tuple[Update, str]:
     """Run `algorithm.update` on `world_size` local ranks; rank 0's Update and the device
     label ("cpu x2", "cuda x2"). Raises RankFailed with the first failing rank's error; every
-    rank is joined (or killed) before this returns or raises."""
+    rank is joined (or killed) before this returns or raises. With `parallel="fsdp"` the
+    ranks write the new state with torch.distributed.checkpoint into a directory of its own
+    that the Update names ({"dcp": directory}); the algorithm's `save` stores and removes it."""
     import torch
+
+    sharded_dir = tempfile.mkdtemp(prefix="lightning-dcp-") if parallel == "fsdp" else ""
+    try:
+        return _update(algorithm, step=step, state=state, samples=samples,
+                       world_size=world_size, setup={"parallel": parallel, "dcp": sharded_dir},
+                       torch=torch)
+    except BaseException:
+        if sharded_dir:
+            shutil.rmtree(sharded_dir, ignore_errors=True)
+        raise
+
+
+def _update(algorithm: Algorithm, *, step: int, state: dict[str, Any], samples: list[Sample],
+            world_size: int, setup: dict[str, str], torch: Any) -> tuple[Update, str]:
     import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import ProcessException
 
@@ -132,7 +225,7 @@ def update(algorithm: Algorithm, *, step: int, state: dict[str, Any], samples: l
     with tempfile.TemporaryDirectory(prefix="lightning-ddp-") as tmp:
         result = Path(tmp) / "rank0.pt"
         args = (world_size, backend, str(Path(tmp) / "rendezvous"), str(result), threads,
-                os.getpid(), algorithm, step, state, samples)
+                os.getpid(), setup, algorithm, step, state, samples)
         with _children_allowed():
             context = mp.start_processes(_rank_main, args=args, nprocs=world_size,
                                          join=False, start_method="spawn")
@@ -189,12 +282,19 @@ def _children_allowed() -> Iterator[None]:
 
 
 def _rank_main(rank: int, world_size: int, backend: str, rendezvous: str, result: str,
-               threads: int, parent: int, algorithm: Algorithm, step: int,
-               state: dict[str, Any], samples: list[Sample]) -> None:
+               threads: int, parent: int, setup: dict[str, str], algorithm: Algorithm,
+               step: int, state: dict[str, Any], samples: list[Sample]) -> None:
     import torch
     import torch.distributed as dist
 
     _die_with_parent(parent)
+    _rank_setup.update(setup)
+    if os.environ.get("DJANGO_SETTINGS_MODULE"):
+        # The worker is a Django process, and an algorithm's update may read settings or
+        # import modules that need the app registry (grpo_lm's transformers quieting).
+        import django
+
+        django.setup()
     device = "cpu"
     if backend == "nccl":
         torch.cuda.set_device(rank)

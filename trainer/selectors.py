@@ -10,13 +10,16 @@ from urllib.parse import urlencode
 
 from django.db.models import Count, F, Q, Sum
 from django.urls import reverse
+from django.utils import timezone
 
+from lightning_site import control, devices
+from lightning_site.queues import Queue
 from store import selectors as store_selectors
 from store.models import ResourceVersion, Rollout, RolloutGroup, Span
 from store.statemachine import ROLLOUT_TERMINAL
 from trainer import staleness
 from trainer.algorithms import FinishedRollout
-from trainer.models import StepStatus, TrainingJob, TrainingStep
+from trainer.models import JobStatus, StepStatus, TrainingJob, TrainingStep
 
 
 def training_backlog() -> tuple[int, int]:
@@ -189,3 +192,46 @@ def job_threshold_reached(*, job: TrainingJob) -> ThresholdReached | None:
             at = datetime.fromisoformat(step.timings["ready"])
             return ThresholdReached(threshold, step.n, (at - job.started_at).total_seconds())
     return None
+
+
+def step_waiting_reason(*, step: TrainingStep,
+                        workers: list[tuple[str, list[dict]]] | None = None) -> str | None:
+    """Why a step ready to train (or left by a dead worker) waits: its job's `resources` fit
+    no live training worker ("needs 2 GPUs with >= 40 GB; live training workers: ..."). None
+    when one fits, when the step is not waiting for a worker, or with no registry wired."""
+    waiting = step.status == StepStatus.READY or (
+        step.status == StepStatus.TRAINING and step.lease_until is not None
+        and step.lease_until < timezone.now())
+    if not waiting:
+        return None
+    need = devices.resources_parse((step.job.config or {}).get("resources"))
+    if not need.any:
+        return None
+    if workers is None:
+        workers = control.live_worker_devices(Queue.TRAINING.value)
+    return None if workers is None else devices.unmet_reason(need, workers)
+
+
+def waiting_steps(*, project_id: int | None = None, job_id: int | None = None
+                  ) -> list[tuple[TrainingStep, str]]:
+    """Open steps of running jobs (of one project, or one job) that no live training worker
+    can take, with the reason; the registry is read once."""
+    steps = (TrainingStep.objects.select_related("job")
+             .filter(status__in=[StepStatus.READY, StepStatus.TRAINING],
+                     job__status=JobStatus.RUNNING).order_by("job_id", "n"))
+    if project_id is not None:
+        steps = steps.filter(job__project_id=project_id)
+    if job_id is not None:
+        steps = steps.filter(job_id=job_id)
+    workers = control.live_worker_devices(Queue.TRAINING.value)
+    found = []
+    for step in steps:
+        if (reason := step_waiting_reason(step=step, workers=workers)) is not None:
+            found.append((step, reason))
+    return found
+
+
+def waiting_lines(project_id: int | None) -> list[str]:
+    """For queue_watch (lightning_site.control.register_waiting): one line per waiting step."""
+    return [f"training step {step.n} of job {step.job_id}: waiting: {reason}"
+            for step, reason in waiting_steps(project_id=project_id)]

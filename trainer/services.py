@@ -11,6 +11,7 @@ process left behind.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -23,6 +24,7 @@ from django.db import transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
+from lightning_site import devices
 from lightning_site.processes import process_alive
 from lightning_site.retry import DEFAULT as DB_RETRY
 from lightning_site.retry import RetryPolicy
@@ -53,6 +55,9 @@ JOB_DEFAULTS: dict[str, Any] = {
     "seed": 0,
     # local processes of one train step (DDP; trainer/distributed.py); 1: in the worker itself
     "world_size": 1,
+    # how those processes share the model: "ddp" (a copy each, gradients all-reduced) or
+    # "fsdp" (FSDP2: parameters sharded, checkpoints through torch.distributed.checkpoint)
+    "parallel": "ddp",
     # tries of one train step (a worker killed mid-step counts) before the job fails
     "max_step_attempts": 3,
     # a step whose share of failed train rollouts, or of failed validation rollouts, is above
@@ -75,6 +80,8 @@ JOB_DEFAULTS: dict[str, Any] = {
     "rollout_config": {"timeout_seconds": 300, "unresponsive_seconds": 60, "max_attempts": 3,
                        "retry_condition": ["timeout", "unresponsive"]},
 }
+
+log = logging.getLogger(__name__)
 
 
 class JobError(Exception):
@@ -118,6 +125,16 @@ def job_create(
         raise InvalidInput("config.world_size", why)
     if (problem := staleness.config_error(merged)) is not None:
         raise InvalidInput(*problem)
+    if (why := distributed.parallel_error(merged, built)) is not None:
+        raise InvalidInput("config.parallel", why)
+    try:
+        need = devices.resources_parse(merged.get("resources"))
+    except devices.ResourcesError as exc:
+        raise InvalidInput(f"config.{exc.field}", exc.message) from None
+    if need.gpus and distributed.world_size_of(merged) > need.gpus:
+        raise InvalidInput("config.resources.gpus",
+                           f"each of the world_size={merged['world_size']} ranks takes one GPU; "
+                           f"gpus must be >= world_size, got {need.gpus}")
     return TrainingJob.objects.create(
         project=project, name=name, agent=agent, algorithm=algorithm, config=merged,
         train_dataset=list(train_dataset), val_dataset=list(val_dataset or []),
@@ -276,14 +293,25 @@ def _cancel_rollouts(project: Project, rollout_ids: list[str]) -> None:
             pass  # it finished in the meantime: terminal rollouts stay terminal
 
 
-def step_claim(*, step_id: int, worker: str, now: datetime | None = None) -> TrainingStep | None:
+def step_claim(*, step_id: int, worker: str, now: datetime | None = None,
+               worker_devices: list[dict[str, Any]] | None = None) -> TrainingStep | None:
     """ready (or training with an expired lease: its worker died) -> training, counting the
     try. None when the step is not claimable: done, held by a live worker, or its job is not
-    running (a redelivered message then does nothing). A step tried too often fails its job."""
+    running (a redelivered message then does nothing), or when the job's `resources` need
+    more than this worker's devices (`worker_devices`, default this process's: the claim
+    filter of lightning_site/devices.py; the step stays for a worker that has them). A step
+    tried too often fails its job."""
     now = now or _now()
     step = TrainingStep.objects.select_related("job").filter(pk=step_id).first()
     if step is None:  # its job was deleted since the message was sent: nothing to do
         return None
+    need = devices.resources_parse(step.job.config.get("resources"))
+    if need.any:
+        have = devices.local_devices() if worker_devices is None else worker_devices
+        if not devices.fits(have, need):
+            log.info("step %s needs %s; %s has %s: left for another worker", step.pk,
+                     need.describe(), worker, devices.describe_devices(have))
+            return None
     claimable = Q(status=StepStatus.READY) | Q(status=StepStatus.TRAINING, lease_until__lt=now)
     if _holder_dead(step, worker):
         # The redelivered message of a killed training worker: no need to wait for the lease.
@@ -447,7 +475,8 @@ def _train(step: TrainingStep) -> TrainResult:
         samples = algorithm.samples(rollouts)
         if (world_size := distributed.world_size_of(config)) > 1:
             update, device = distributed.update(algorithm, step=step.n, state=state,
-                                                samples=samples, world_size=world_size)
+                                                samples=samples, world_size=world_size,
+                                                parallel=distributed.parallel_of(config))
         else:
             update = algorithm.update(step=step.n, state=state, samples=samples,
                                       device=device)

@@ -57,6 +57,7 @@ def job_detail(request, pk: int, workers: Callable[[], Any] | None = None):
         "usage": selectors.job_usage(job=job),
         "project_usage": store_selectors.usage_totals(project=job.project),
         "queues": workers() if workers else [],
+        "waiting": [(step.n, reason) for step, reason in selectors.waiting_steps(job_id=job.pk)],
         "refresh_seconds": None if job.status in JOB_TERMINAL else REFRESH_SECONDS,
         "can_cancel": job.status not in JOB_TERMINAL,
         "can_resume": job.status in (JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.PENDING),

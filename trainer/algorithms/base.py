@@ -54,6 +54,11 @@ class Algorithm(ABC):
     #: it wraps its model with `trainer.distributed.wrap`, trains on its shard of the batch
     #: and normalizes its loss over the global batch (see trainer/distributed.py, grpo.py).
     runs_ddp: bool = False
+    #: True when, with job config `parallel: fsdp`, `update` shards its model with
+    #: `trainer.distributed.wrap` (FSDP2), makes its optimizer after it, loads the optimizer
+    #: with `distributed.optimizer_load` and returns `distributed.save_sharded(...)` as its
+    #: state when `distributed.sharded()` (grpo.py).
+    runs_fsdp: bool = False
 
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = config

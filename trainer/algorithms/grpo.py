@@ -9,6 +9,7 @@ against the log-probabilities the acting policy recorded in its spans.
 from __future__ import annotations
 
 import random
+import shutil
 from collections import defaultdict
 from collections.abc import Sequence
 from statistics import fmean, pstdev
@@ -18,7 +19,7 @@ import torch
 from django.utils.module_loading import import_string
 
 from store.errors import InvalidInput
-from trainer import distributed
+from trainer import checkpoints, distributed
 from trainer.algorithms.adapter import Sample
 from trainer.algorithms.base import Algorithm, PlannedRollout, Update, step_seed
 
@@ -108,6 +109,7 @@ def group_advantages(samples: Sequence[Sample]) -> dict[str, float]:
 
 class GRPO(Algorithm):
     runs_ddp = True  # world_size > 1: DDP over local ranks (trainer/distributed.py)
+    runs_fsdp = True  # ... or FSDP2 with `parallel: fsdp`
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__({**DEFAULTS, **config})
@@ -118,6 +120,20 @@ class GRPO(Algorithm):
         policy = build_policy(self.config)
         optimizer = torch.optim.Adam(policy.parameters(), lr=float(self.config["lr"]))
         return {"model": policy.state_dict(), "optimizer": optimizer.state_dict()}
+
+    def save(self, state: dict[str, Any], *, name_prefix: str, step: int,
+             metrics: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One torch.save file; an FSDP step's state is its torch.distributed.checkpoint
+        directory ({"dcp": directory}), stored as a directory checkpoint that
+        `checkpoint_load` reads at any world size."""
+        if "dcp" not in state:
+            return super().save(state, name_prefix=name_prefix, step=step, metrics=metrics)
+        try:
+            return checkpoints.checkpoint_save_dir(directory=state["dcp"],
+                                                   name_prefix=name_prefix, step=step,
+                                                   metrics=metrics)
+        finally:
+            shutil.rmtree(state["dcp"], ignore_errors=True)
 
     def plan(
         self, *, step: int, final: bool, train_dataset: Sequence[Any], val_dataset: Sequence[Any]
@@ -131,8 +147,11 @@ class GRPO(Algorithm):
         torch.manual_seed(step_seed(self.seed, step))
         policy = build_policy(self.config).to(device)
         policy.load_state_dict(state["model"])
+        # DDP or FSDP2 in a process group (FSDP's parameters become DTensors, so the
+        # optimizer is made after), else the policy itself.
+        model = distributed.wrap(policy)
         optimizer = torch.optim.Adam(policy.parameters(), lr=float(self.config["lr"]))
-        optimizer.load_state_dict(state["optimizer"])
+        distributed.optimizer_load(policy, optimizer, state["optimizer"])
         # Advantages are over the whole batch (a group may straddle two ranks' shards).
         advantages = group_advantages(samples)
         batch = _Batch.build([s for s in samples if s.rollout_id in advantages], advantages,
@@ -143,10 +162,11 @@ class GRPO(Algorithm):
                                               float(self.config["importance_cap"])))
         if batch.size:
             rank, world_size = distributed.world()
-            model = distributed.wrap(policy)  # DDP in a process group; else the policy
             mine = batch.shard(rank, world_size) if world_size > 1 else batch
             for _ in range(int(self.config["epochs"])):
                 metrics.update(self._epoch(model, optimizer, mine))
+        if distributed.sharded():  # every rank writes its shards (torch.distributed.checkpoint)
+            return Update(state=distributed.save_sharded(policy, optimizer), metrics=metrics)
         return Update(
             state={"model": _to_cpu(policy.state_dict()), "optimizer": optimizer.state_dict()},
             metrics=metrics,

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from trainer import checkpoints
+from trainer import checkpoints, distributed
 from trainer.algorithms.adapter import FinishedRollout
 from trainer.algorithms.base import Algorithm, PlannedRollout, Update, step_seed
 from trainer.algorithms.grpo import group_advantages, plan_groups
@@ -71,6 +71,9 @@ SHARED_MIN = 16
 
 class GRPOLM(Algorithm):
     serves_llm = True
+    # world_size > 1: DDP over the trainable parameters (the LoRA adapter's, or every weight);
+    # each rank trains on its contiguous shard of the samples (trainer/distributed.py).
+    runs_ddp = True
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__({**DEFAULTS, **config})
@@ -179,16 +182,34 @@ class GRPOLM(Algorithm):
         if stale:
             metrics["off_policy_samples"] = len(stale)
         size = int(self.config["micro_batch"])
-        batches = [_tensors(trained[i:i + size], advantages, device)
-                   for i in range(0, len(trained), size)]
+        rank, world_size = distributed.world()
+        start, stop = distributed.shard_bounds(len(trained), rank, world_size)
+        mine = trained[start:stop]
+        batches = [_tensors(mine[i:i + size], advantages, device)
+                   for i in range(0, len(mine), size)]
+        if world_size > 1 and trained:
+            # Every rank runs as many forward/backward passes (DDP all-reduces on each
+            # synchronised backward): a shorter shard pads with passes that weigh nothing.
+            passes = max(-(-(b - a) // size) for a, b in
+                         (distributed.shard_bounds(len(trained), r, world_size)
+                          for r in range(world_size)))
+            blank = _blank(_tensors((mine or trained)[:1], advantages, device))
+            batches += [blank] * (passes - len(batches))
         recomputed = sum(_fill_old(model, batch) for batch in batches)
+        recomputed = int(distributed.all_sum([float(recomputed)], device)[0])
         if recomputed:
             metrics["recomputed_samples"] = recomputed
         if batches and int(self.config.get("max_staleness") or 0) > 0:
             metrics.update(off_policy_correct(model, batches,
                                               float(self.config["importance_cap"])))
+        # The loss is the mean over the global batch's generated tokens, at any world size.
+        total_tokens = float(sum(s.generated for s in trained))
+        trainer = distributed.wrap(model)  # DDP in a process group; else the model itself
         for _ in range(int(self.config["epochs"]) if trained else 0):
-            metrics.update(self._epoch(model, reference, optimizer, params, batches))
+            metrics.update(self._epoch(trainer, model, reference, optimizer, params, batches,
+                                       total_tokens))
+        if rank != 0:  # rank 0's update is the step's (distributed.update); write nothing
+            return Update(state=None, metrics=metrics)
         out = Path(tempfile.mkdtemp(prefix="grpo_lm-"))
         if self.lora is None:
             model.save_pretrained(out)
@@ -198,45 +219,74 @@ class GRPOLM(Algorithm):
         torch.save(optimizer.state_dict(), out / OPTIMIZER_FILE)
         return Update(state={"dir": str(out), "owned": True}, metrics=metrics)
 
-    def _epoch(self, model: Any, reference: Any, optimizer: Any, params: list[Any],
-               batches: list[dict[str, Any]]) -> dict[str, float]:
+    def _epoch(self, trainer: Any, model: Any, reference: Any, optimizer: Any,
+               params: list[Any], batches: list[dict[str, Any]],
+               total_tokens: float) -> dict[str, float]:
+        """One optimizer step over `batches` (this rank's); `trainer` is `model` under DDP
+        in a process group (gradients all-reduced on the last backward), else `model`."""
         import contextlib
 
         import torch
 
         clip, kl_coef = float(self.config["clip"]), float(self.config["kl_coef"])
-        total_tokens = float(sum(float(b["mask"].sum()) for b in batches))
+        _, world_size = distributed.world()
         optimizer.zero_grad()
         sums = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "ratio": 0.0}
-        for batch in batches:
-            new = _token_logprobs(model, batch)
-            mask = batch["mask"]
-            ratio = torch.exp(new - batch["old"])
-            adv = batch["advantage"].unsqueeze(1)
-            surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - clip, 1 + clip) * adv)
-            if "weights" in batch:  # an asynchronous job's tokens (off_policy_correct)
-                surrogate = surrogate * batch["weights"]
-            per_token = -surrogate
-            if reference is not None:
-                base_only = (reference.disable_adapter() if reference is model
-                             else contextlib.nullcontext())
-                with torch.no_grad(), base_only:
-                    ref = _token_logprobs(reference, batch)
-                # k3 estimator of KL(pi || pi_ref): non-negative, unbiased.
-                kl = torch.exp(ref - new) - (ref - new) - 1
-                per_token = per_token + kl_coef * kl
-                sums["kl"] += float((kl * mask).sum().detach())
-            loss = (per_token * mask).sum() / total_tokens
-            if loss.requires_grad:  # greedy samples alone carry no gradient (sampling.py)
-                loss.backward()
-            sums["loss"] += float(loss.detach())
-            sums["clip_fraction"] += float((((ratio - 1).abs() > clip).float() * mask).sum())
-            sums["ratio"] += float((ratio.detach() * mask).sum())
+        for index, batch in enumerate(batches):
+            last = index == len(batches) - 1
+            sync = (trainer.no_sync() if trainer is not model and not last
+                    else contextlib.nullcontext())
+            with sync:
+                self._micro_batch(trainer, model, reference, params, batch, total_tokens,
+                                  world_size, clip, kl_coef, sums)
         torch.nn.utils.clip_grad_norm_(params, float(self.config["max_grad_norm"]))
         optimizer.step()
-        return {"loss": sums["loss"], "clip_fraction": sums["clip_fraction"] / total_tokens,
-                "mean_ratio": sums["ratio"] / total_tokens,
-                **({"kl": sums["kl"] / total_tokens} if reference is not None else {})}
+        loss, clipped, ratio, kl = distributed.all_sum(
+            [sums["loss"], sums["clip_fraction"], sums["ratio"], sums["kl"]],
+            params[0].device)
+        return {"loss": loss, "clip_fraction": clipped / total_tokens,
+                "mean_ratio": ratio / total_tokens,
+                **({"kl": kl / total_tokens} if reference is not None else {})}
+
+    def _micro_batch(self, trainer: Any, model: Any, reference: Any, params: list[Any],
+                     batch: dict[str, Any], total_tokens: float, world_size: int, clip: float,
+                     kl_coef: float, sums: dict[str, float]) -> None:
+        import contextlib
+
+        import torch
+
+        new = _token_logprobs(trainer, batch)
+        mask = batch["mask"]
+        ratio = torch.exp(new - batch["old"])
+        adv = batch["advantage"].unsqueeze(1)
+        surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - clip, 1 + clip) * adv)
+        if "weights" in batch:  # an asynchronous job's tokens (off_policy_correct)
+            surrogate = surrogate * batch["weights"]
+        per_token = -surrogate
+        if reference is not None:
+            base_only = (reference.disable_adapter() if reference is model
+                         else contextlib.nullcontext())
+            with torch.no_grad(), base_only:
+                ref = _token_logprobs(reference, batch)
+            # k3 estimator of KL(pi || pi_ref): non-negative, unbiased.
+            kl = torch.exp(ref - new) - (ref - new) - 1
+            per_token = per_token + kl_coef * kl
+            sums["kl"] += float((kl * mask).sum().detach())
+        loss = (per_token * mask).sum() / total_tokens
+        if trainer is not model:
+            # DDP averages gradients over the ranks: scaled by world_size, the sum is the
+            # global batch's. Every rank must run its backward (the all-reduce waits for
+            # each); greedy rows carry no gradient (sampling.py), so zero-weight terms make
+            # every trainable parameter take part.
+            scaled = loss * world_size
+            if not scaled.requires_grad:
+                scaled = scaled + sum(p.sum() for p in params) * 0.0
+            scaled.backward()
+        elif loss.requires_grad:  # greedy samples alone carry no gradient (sampling.py)
+            loss.backward()
+        sums["loss"] += float(loss.detach())
+        sums["clip_fraction"] += float((((ratio - 1).abs() > clip).float() * mask).sum())
+        sums["ratio"] += float((ratio.detach() * mask).sum())
 
 
 def _tensors(samples: list[TokenSample], advantages: dict[str, float],
@@ -275,6 +325,13 @@ def _shared_prefix(rows: list[list[int]]) -> int:
         if any(r[k] != first[k] for r in rows[1:]):
             return k
     return max(limit, 0)
+
+
+def _blank(batch: dict[str, Any]) -> dict[str, Any]:
+    """`batch` weighing nothing (no token in the loss, advantage 0): the padding pass of a
+    rank whose shard has fewer micro-batches than another's."""
+    return {**batch, "mask": batch["mask"] * 0, "advantage": batch["advantage"] * 0,
+            "recompute": [False] * len(batch["recompute"])}
 
 
 def _fill_old(model: Any, batch: dict[str, Any]) -> int:
@@ -339,7 +396,8 @@ def _logits(model: Any, batch: dict[str, Any]) -> Any:
 def _forward_params(model: Any) -> Any:
     import inspect
 
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = getattr(model, "module", model)  # under DDP (trainer/distributed.py), its model
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
     return inspect.signature(inner.forward).parameters
 
 

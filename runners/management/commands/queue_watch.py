@@ -1,5 +1,6 @@
 from django.core.management.base import BaseCommand
 
+from lightning_site import control
 from lightning_site.console import progress_stream
 from runners import selectors
 from runners.held_slots import held_slots
@@ -30,6 +31,8 @@ class Command(BaseCommand):
             self.stdout.write(line)
             if state.load is not None:
                 self.stdout.write(f"  load: {state.load.describe()}")
+        for line in control.waiting_lines(project.pk):  # other apps' (training steps)
+            self.stdout.write(line)
         for slot in held_slots():
             self.stdout.write(f"  held: {slot.rollout_id}/{slot.attempt_id} "
                               f"({slot.attempt_status}) on {slot.worker_id} since "

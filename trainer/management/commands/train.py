@@ -137,6 +137,8 @@ class Command(BaseCommand):
                             help="override one config value, e.g. --set lr=0.1")
         parser.add_argument("--world-size", type=int, metavar="N",
                             help="processes of each training step (DDP; config world_size, 1)")
+        parser.add_argument("--parallel", choices=["ddp", "fsdp"],
+                            help="how those processes share the model (config parallel, ddp)")
         parser.add_argument("--no-follow", action="store_true",
                             help="submit and return (distributed mode only)")
         parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -163,6 +165,8 @@ class Command(BaseCommand):
                 config[key] = raw
         if opts["world_size"] is not None:
             config["world_size"] = opts["world_size"]
+        if opts["parallel"] is not None:
+            config["parallel"] = opts["parallel"]
         try:
             job = services.job_create(
                 project=project_named(opts["project"]), agent=spec["agent"],

@@ -25,6 +25,7 @@ class Command(BaseCommand):
         self.stdout.write(f"job {job.pk} {job.name} [{job.status}] agent={job.agent} "
                           f"algorithm={job.algorithm} steps={job.total_steps} "
                           f"checkpoints={job.resources_id} best=v{job.best_version or '-'}")
+        waiting = {step.pk: reason for step, reason in selectors.waiting_steps(job_id=job.pk)}
         for step in job.steps.order_by("n"):
             m = step.metrics
             fields = [f"step {step.n:3d}", f"{step.status:9s}", f"v{step.resources_version}"
@@ -36,6 +37,8 @@ class Command(BaseCommand):
                 fields.append(f"staleness={m['staleness_mean']:.2f}/max {m['staleness_max']}")
             if m.get("samples_replanned"):
                 fields.append(f"replanned={m['samples_replanned']}")
+            if step.pk in waiting:
+                fields.append(f"waiting: {waiting[step.pk]}")
             self.stdout.write("  ".join(fields))
         self.stdout.write(f"cost: job {selectors.job_usage(job=job).describe()}; project "
                           f"{job.project.name} "
