@@ -28,9 +28,9 @@ from celery.worker import state as worker_state
 from django.conf import settings
 from django.db import connections
 
-from lightning_site import agl_roles
-from lightning_site.celery import app as celery_app
-from lightning_site.queues import Queue
+from core import agl_roles
+from core.celery import app as celery_app
+from core.queues import Queue
 from runners import services as runner_services
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ def embedded_workers(
 ) -> Iterator[EmbeddedWorkers]:
     """Run Celery workers for `queues` (one worker per queue, threads) and the sweep in this
     process while the block runs. `queues` defaults to those of the process's AGL role
-    (lightning_site/agl_roles.py: both queues unless AGL_CURRENT_ROLE says `runner` or
+    (core/agl_roles.py: both queues unless AGL_CURRENT_ROLE says `runner` or
     `algorithm`). `concurrency` maps a queue to its worker's thread count
     (default: EMBEDDED_ROLLOUT_CONCURRENCY for rollouts, 1 for the others); `sweep_seconds`
     defaults to LIGHTNING_SWEEP_SECONDS. Stopping waits for running tasks (warm shutdown)."""

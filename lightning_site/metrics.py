@@ -245,7 +245,7 @@ class StoreCollector(Collector):
 
 
 def _scaling(states) -> Iterator[GaugeMetricFamily]:
-    """The scaling signal per queue (lightning_site/scaling.py; KEDA reads the last one)."""
+    """The scaling signal per queue (core/scaling.py; KEDA reads the last one)."""
     loads = [(q.queue, q.load) for q in states if q.load is not None]
     for name, attr, doc in (
         ("lightning_queue_queued", "queued", "Work waiting for a worker of the queue"),

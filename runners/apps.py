@@ -3,10 +3,10 @@ from __future__ import annotations
 from django.apps import AppConfig
 from django.core import checks
 
-from lightning_site.celery import app as celery_app
-from lightning_site.control import register_takeover
-from lightning_site.queues import Queue
-from lightning_site.scaling import register_backlog
+from core.celery import app as celery_app
+from core.control import register_takeover
+from core.queues import Queue
+from core.scaling import register_backlog
 from runners.checks import check_settings
 
 
@@ -19,7 +19,7 @@ class RunnersConfig(AppConfig):
         # Every worker of this app registers itself (host, queues, CPUs, CUDA) and heartbeats.
         celery_app.steps["worker"].add("runners.worker_registry:WorkerRegistryStep")
         # A worker restarted under its node name takes over its dead processes' rollouts.
-        from lightning_site.publish import register_options
+        from core.publish import register_options
         from runners import selectors, services, stopping  # noqa: F401 - stopping: its signal
 
         # Rollout tasks carry time limits that follow each rollout's timeout (the backstop).

@@ -36,8 +36,8 @@ def fit(
     `@agl.rollout` agent, a class), which must be importable by that path."""
     _setup_django()
     # After setup: models cannot be imported before Django's app registry is ready.
-    from lightning_site import agl_roles
-    from lightning_site.queues import Queue
+    from core import agl_roles
+    from core.queues import Queue
     from trainer.management.commands.train import project_named, run_followed
     from trainer.services import job_create
 

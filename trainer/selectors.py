@@ -20,7 +20,7 @@ from trainer.models import StepStatus, TrainingJob, TrainingStep
 
 def training_backlog() -> tuple[int, int]:
     """(queued, running) training steps: ready ones wait for a training worker, training ones
-    hold one (the scaling signal of the training queue, lightning_site/scaling.py)."""
+    hold one (the scaling signal of the training queue, core/scaling.py)."""
     counts = dict(TrainingStep.objects.filter(status__in=[StepStatus.READY, StepStatus.TRAINING])
                   .values_list("status").annotate(n=Count("pk")).order_by())
     return counts.get(StepStatus.READY, 0), counts.get(StepStatus.TRAINING, 0)

@@ -23,10 +23,10 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from lightning_site.processes import process_alive
-from lightning_site.retry import DEFAULT as DB_RETRY
-from lightning_site.retry import RetryPolicy
-from lightning_site.usage import CpuMeter, cuda_held
+from core.processes import process_alive
+from core.retry import DEFAULT as DB_RETRY
+from core.retry import RetryPolicy
+from core.usage import CpuMeter, cuda_held
 from store import selectors as store_selectors
 from store import services as store_services
 from store.errors import IllegalTransition, InvalidInput
@@ -309,7 +309,7 @@ def step_train(*, step_id: int, worker: str | None = None,
 
     Once the step is claimed, this try holds it until its lease ends (a live process's hold
     is not taken over), so every database call after the claim retries transient errors
-    (`retry`, lightning_site/retry.py: about 30 s of backoff): Postgres restarting while a
+    (`retry`, core/retry.py: about 30 s of backoff): Postgres restarting while a
     step trained must cost a few seconds, not the lease. A transient error in the claim
     itself fails the task, which Celery retries (trainer/tasks.py): nothing is held then."""
     worker = worker or f"{socket.gethostname()}:{os.getpid()}"
@@ -683,7 +683,7 @@ def steps_take_over(node: str, pid: int) -> int:
 
 
 def steps_redispatch() -> int:
-    """The reconciler the control sweep runs (lightning_site.control): how many steps it moved
+    """The reconciler the control sweep runs (core.control): how many steps it moved
     to ready or sent again."""
     report = steps_sweep()
     return len(report.ready) + len(report.resent)

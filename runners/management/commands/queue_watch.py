@@ -1,6 +1,6 @@
 from django.core.management.base import BaseCommand
 
-from lightning_site.console import progress_stream
+from core.console import progress_stream
 from runners import selectors
 from runners.held_slots import held_slots
 from runners.management.commands._progress import follow, project_named, summary

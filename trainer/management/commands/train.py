@@ -20,15 +20,15 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from django.db import connections
 
-from lightning_site.console import (
+from core.console import (
     Terminated,
     command_hint,
     progress_stream,
     quiet_libraries,
     sigterm_as_interrupt,
 )
+from core.queues import Queue
 from lightning_site.embedded import embedded_gateway, embedded_workers
-from lightning_site.queues import Queue
 from store import services as store_services
 from store.errors import InvalidInput
 from store.models import Project
