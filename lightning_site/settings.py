@@ -216,7 +216,7 @@ WEB_BODY_TIMEOUT_SECONDS = env_int("WEB_BODY_TIMEOUT_SECONDS", 30, minimum=1)
 # --- Celery (core/celery.py; README "Distributed") --------------------------------------------
 _broker_url = env_str("CELERY_BROKER_URL")
 # No DATABASE_URL and no broker: the embedded default runs its workers in-process
-# (lightning_site.embedded) over Celery's in-memory transport.
+# (core.embedded) over Celery's in-memory transport.
 EMBEDDED_WORKERS = EMBEDDED and not _broker_url
 CELERY_BROKER_URL = _broker_url or (
     # A host name, or kombu warns "No hostname was supplied" at every connection.

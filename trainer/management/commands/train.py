@@ -27,13 +27,14 @@ from core.console import (
     quiet_libraries,
     sigterm_as_interrupt,
 )
+from core.embedded import embedded_workers
 from core.queues import Queue
-from lightning_site.embedded import embedded_gateway, embedded_workers
 from store import services as store_services
 from store.errors import InvalidInput
 from store.models import Project
 from trainer import progress, selectors, services, specs
 from trainer.algorithms import algorithm_class
+from trainer.llm.embedded import embedded_gateway
 from trainer.models import JobStatus, TrainingJob
 
 
