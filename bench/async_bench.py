@@ -165,7 +165,7 @@ def main(steps: int, bound: int, slots: int) -> None:
                     os.killpg(process.pid, signal.SIGTERM)
                     process.wait(timeout=60)
         else:
-            from lightning_site.embedded import embedded_workers
+            from core.embedded import embedded_workers
 
             with embedded_workers(concurrency={"rollouts": slots}):
                 wall = _run(job_id)

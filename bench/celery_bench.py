@@ -38,7 +38,7 @@ from django.db import connection  # noqa: E402
 
 from bench.bench_agents import noop_agent  # noqa: E402
 from bench.benchdb import STORE_TABLES, empty_bench_database  # noqa: E402
-from lightning_site.celery import app  # noqa: E402
+from core.celery import app  # noqa: E402
 from runners import executor  # noqa: E402
 from runners.local_gateway import LocalGateway  # noqa: E402
 from runners.models import CeleryWorker  # noqa: E402

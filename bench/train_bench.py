@@ -54,7 +54,7 @@ def child(mode: str, steps: int) -> None:
     job_id = _create(spec)
     started = time.perf_counter()
     if mode == "embedded":
-        from lightning_site.embedded import embedded_workers
+        from core.embedded import embedded_workers
 
         with embedded_workers():
             _run(job_id)

@@ -1,4 +1,7 @@
 # Load the Celery app whenever Django starts, so shared_task binds to it (Celery's Django docs).
-from lightning_site.celery import app as celery_app
+# `celery -A lightning_site` finds it here as `app`; it lives in the kernel (core/celery.py).
+from core.celery import app
 
-__all__ = ("celery_app",)
+celery_app = app
+
+__all__ = ("app", "celery_app")

@@ -9,7 +9,6 @@ so every process serves the same numbers and no counter is lost when a worker re
 from __future__ import annotations
 
 import hmac
-import os
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -22,12 +21,10 @@ from django.db.models.functions import Coalesce
 from django.http import HttpRequest, HttpResponse
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
-    REGISTRY,
     CollectorRegistry,
     Counter,
     Histogram,
     generate_latest,
-    multiprocess,
 )
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -36,6 +33,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from core.metrics import LATENCY_BUCKETS, process_metrics
 from runners.selectors import queue_states
 from store.models import Attempt, ResourceSet, Rollout, Span, UsageEntry
 from store.statemachine import ATTEMPT_LIVE, QUEUED, ROLLOUT_TERMINAL, AttemptStatus
@@ -44,8 +42,6 @@ from trainer.models import JobStatus, StepStatus, TrainingJob, TrainingStep
 
 # Rollouts last from milliseconds (a test agent) to an hour (an agent's limit).
 DURATION_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
-# Long waits (waits/rollouts, long-polled dequeues) last up to a minute: buckets reach past it.
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 90)
 
 http_requests = Counter(
     "lightning_http_requests", "HTTP requests served, by route pattern, method and status",
@@ -245,7 +241,7 @@ class StoreCollector(Collector):
 
 
 def _scaling(states) -> Iterator[GaugeMetricFamily]:
-    """The scaling signal per queue (lightning_site/scaling.py; KEDA reads the last one)."""
+    """The scaling signal per queue (core/scaling.py; KEDA reads the last one)."""
     loads = [(q.queue, q.load) for q in states if q.load is not None]
     for name, attr, doc in (
         ("lightning_queue_queued", "queued", "Work waiting for a worker of the queue"),
@@ -278,20 +274,6 @@ _store_registry = CollectorRegistry(auto_describe=False)
 _store_registry.register(StoreCollector())
 
 
-def _process_registry() -> CollectorRegistry:
-    # prometheus-client switches to multiprocess mode when the variable is set at all.
-    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
-        return REGISTRY
-    registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(registry)
-    return registry
-
-
-def process_metrics() -> bytes:
-    """This process's metrics (all of gunicorn's workers in multiprocess mode), as text."""
-    return generate_latest(_process_registry())
-
-
 def _allowed(request: HttpRequest) -> bool:
     if request.user.is_authenticated and request.user.is_staff:
         return True
@@ -304,5 +286,5 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
     if not _allowed(request):
         return HttpResponse("metrics need a staff login or 'Authorization: Bearer "
                             "$METRICS_TOKEN'\n", status=401, content_type="text/plain")
-    body = generate_latest(_process_registry()) + generate_latest(_store_registry)
+    body = process_metrics() + generate_latest(_store_registry)
     return HttpResponse(body, content_type=CONTENT_TYPE_LATEST)

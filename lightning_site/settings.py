@@ -7,8 +7,8 @@ from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
 
-from lightning_site.devices import parse_override as devices_parse_override
-from lightning_site.env import (
+from core.devices import parse_override as devices_parse_override
+from core.env import (
     database_from_url,
     env_bool,
     env_float,
@@ -214,10 +214,10 @@ STORE_API_MAX_WAITS_PER_PROJECT = env_int("STORE_API_MAX_WAITS_PER_PROJECT", 64,
 # Seconds a request's whole body may take to arrive (slow uploads), else 408.
 WEB_BODY_TIMEOUT_SECONDS = env_int("WEB_BODY_TIMEOUT_SECONDS", 30, minimum=1)
 
-# --- Celery (lightning_site/celery.py; README "Distributed") ----------------------------------
+# --- Celery (core/celery.py; README "Distributed") --------------------------------------------
 _broker_url = env_str("CELERY_BROKER_URL")
 # No DATABASE_URL and no broker: the embedded default runs its workers in-process
-# (lightning_site.embedded) over Celery's in-memory transport.
+# (core.embedded) over Celery's in-memory transport.
 EMBEDDED_WORKERS = EMBEDDED and not _broker_url
 CELERY_BROKER_URL = _broker_url or (
     # A host name, or kombu warns "No hostname was supplied" at every connection.
@@ -256,7 +256,7 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # Work that names no queue is housekeeping; every task of ours names its queue anyway.
 CELERY_TASK_DEFAULT_QUEUE = "control"
 # Each task declares its queue (`lightning_queue=Queue.X`); this router reads the declaration.
-CELERY_TASK_ROUTES = ("lightning_site.queues.route_task",)
+CELERY_TASK_ROUTES = ("core.queues.route_task",)
 # Flower shows tasks as they are sent and run.
 CELERY_WORKER_SEND_TASK_EVENTS = env_bool("CELERY_EVENTS", True)
 CELERY_TASK_SEND_SENT_EVENT = CELERY_WORKER_SEND_TASK_EVENTS
@@ -288,7 +288,7 @@ EMBEDDED_ROLLOUT_CONCURRENCY = env_int("EMBEDDED_ROLLOUT_CONCURRENCY", 4, minimu
 # more calls arrive together, the larger the gateway's batches.
 EMBEDDED_LLM_ROLLOUT_CONCURRENCY = env_int("EMBEDDED_LLM_ROLLOUT_CONCURRENCY", 16, minimum=1)
 
-# --- The scaling signal (lightning_site/scaling.py, README "Scaling") ---------------------------
+# --- The scaling signal (core/scaling.py, README "Scaling") -------------------------------------
 # lightning_desired_workers{queue} = ceil((queued + running) / slots per worker), kept within
 # [MIN, MAX]. Slots per worker: what `celery -c` gives one worker; 0 takes the mean concurrency
 # of the queue's live workers (1 when none is live).
@@ -303,7 +303,7 @@ SCALE_TRAINING_SLOTS_PER_WORKER = env_int("SCALE_TRAINING_SLOTS_PER_WORKER", 1, 
 # Celery workers heartbeat this often; silent for WORKERS_LOST_AFTER_SECONDS, they are "lost".
 WORKERS_HEARTBEAT_SECONDS = env_float("WORKERS_HEARTBEAT_SECONDS", 15.0, minimum=0.1)
 WORKERS_LOST_AFTER_SECONDS = env_float("WORKERS_LOST_AFTER_SECONDS", 60.0, minimum=1.0)
-# The CUDA devices a worker registers and claims training steps with (lightning_site/devices.py):
+# The CUDA devices a worker registers and claims training steps with (core/devices.py):
 # unset, torch's; set (JSON, `[{"name": "NVIDIA A100-SXM4-80GB", "memory_gb": 80}]`, `[]` for
 # none), these instead: tests, and a CPU machine described as something else.
 try:

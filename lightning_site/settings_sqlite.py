@@ -9,7 +9,7 @@ import os
 os.environ["DATABASE_URL"] = ""
 os.environ.setdefault("DJANGO_SECRET_KEY", "test-suite-only")
 
-from lightning_site.env import sqlite_database  # noqa: E402
+from core.env import sqlite_database  # noqa: E402
 from lightning_site.settings import *  # noqa: E402,F403
 from lightning_site.settings import DATA_DIR  # noqa: E402
 

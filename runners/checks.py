@@ -36,7 +36,7 @@ def check_settings(app_configs=None, **kwargs) -> list:
     if settings.CELERY_BROKER_URL.startswith("memory://") and not settings.EMBEDDED_WORKERS:
         problems.append(Warning(
             "CELERY_BROKER_URL is memory:// with DATABASE_URL set: only workers inside the "
-            "sending process (lightning_site.embedded) will ever see its messages",
+            "sending process (core.embedded) will ever see its messages",
             id="runners.W001",
         ))
     return problems

@@ -1,7 +1,7 @@
 """Our HTTP client of the store API (/v1/agl/, AGL 0.3's wire protocol plus our extensions).
 
 - Bearer key authentication.
-- Retries with exponential backoff (lightning_site/retry.py's policy, shared with the in-process
+- Retries with exponential backoff (core/retry.py's policy, shared with the in-process
   gateway) on network errors and on 5xx/408/429 answers, waiting at least the server's
   `Retry-After` (a 503 while its database is down); a 4xx is the caller's mistake and raises
   `ApiError` at once, with the status and the server's detail.
@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from lightning_site.retry import RetryPolicy
+from core.retry import RetryPolicy
 
 log = logging.getLogger(__name__)
 

@@ -9,13 +9,13 @@ from typing import Any
 
 import torch
 
-from lightning_site.devices import local_devices
+from core.devices import local_devices
 
 _PACKAGES = ("lightning-orchestrator", "celery", "kombu", "Django", "torch")
 
 
 def cuda_devices() -> list[dict[str, Any]]:
-    """torch's CUDA devices, or WORKERS_CUDA_DEVICES where set (lightning_site/devices.py)."""
+    """torch's CUDA devices, or WORKERS_CUDA_DEVICES where set (core/devices.py)."""
     return local_devices()
 
 

@@ -1,5 +1,5 @@
 """The StoreGateway on the store's own services: Celery rollout tasks and the embedded default.
-Calls that must not be lost retry transient database errors (lightning_site/retry.py), as the HTTP
+Calls that must not be lost retry transient database errors (core/retry.py), as the HTTP
 gateway retries network errors; a heartbeat is not retried (the next tick is its retry)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 from django.utils import timezone
 
-from lightning_site.retry import DEFAULT, RetryPolicy
+from core.retry import DEFAULT, RetryPolicy
 from runners.gateway import STOP_CANCELLED, STOP_ENDED, Claim
 from store import selectors, services
 from store.errors import IllegalTransition

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from django.db.models import Count
 
-from lightning_site import scaling
-from lightning_site.queues import Queue
+from core import scaling
+from core.queues import Queue
 from runners.held_slots import held_slots
 from runners.models import CeleryWorker
 from store.models import Project, Rollout
@@ -24,7 +24,7 @@ class QueueState:
     waiting_reason: str | None
     # Slots still running an agent whose attempt the store already ended (runners/stopping.py).
     held_by_ended: int = 0
-    # The scaling signal (lightning_site/scaling.py): None for a queue no app counts.
+    # The scaling signal (core/scaling.py): None for a queue no app counts.
     load: QueueLoad | None = None
 
 

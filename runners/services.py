@@ -15,10 +15,10 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from lightning_site import control
-from lightning_site.processes import process_alive
-from lightning_site.publish import Message, publish
-from lightning_site.queues import Queue
+from core import control
+from core.processes import process_alive
+from core.publish import Message, publish
+from core.queues import Queue
 from runners import stopping
 from runners.agent import AgentError, load_agent
 from runners.executor import ENDED, FAILED, ExecutorOptions, Outcome, execute
@@ -207,7 +207,7 @@ def rollouts_redispatch(*, resend_after_seconds: float, limit: int = 500) -> int
 
 
 def dispatches_send(dispatches: Sequence[Dispatch]) -> None:
-    """Publish one rollout task per dispatch (lightning_site.publish); those the broker did not
+    """Publish one rollout task per dispatch (core.publish); those the broker did not
     take are marked unpublished, for the next reconcile."""
     ours = [d for d in dispatches if d.dispatch == CELERY]
     messages = [
@@ -224,7 +224,7 @@ def dispatches_send(dispatches: Sequence[Dispatch]) -> None:
 
 def rollout_task_options(messages: Sequence[Message]) -> list[dict[str, Any]]:
     """The rollout task's time limits (stopping.task_time_limits), from each rollout's
-    timeout, for every sender of rollout tasks (lightning_site.publish.register_options)."""
+    timeout, for every sender of rollout tasks (core.publish.register_options)."""
     ids = [m.kwargs["rollout_id"] for m in messages]
     timeouts = dict(Rollout.objects.filter(pk__in=ids)
                     .values_list("pk", "config__timeout_seconds"))
@@ -311,7 +311,7 @@ def control_sweep() -> dict[str, int]:
 
 def control_reconcile() -> dict[str, int]:
     """Re-send what lost its message (rollouts here; training steps through the reconcilers
-    other apps register in lightning_site.control), and mark silent workers lost."""
+    other apps register in core.control), and mark silent workers lost."""
     counts = {
         "rollouts_resent": rollouts_redispatch(
             resend_after_seconds=settings.RUNNERS_REDISPATCH_SECONDS

@@ -5,7 +5,7 @@ from __future__ import annotations
 from celery import shared_task
 from django.db import InterfaceError, OperationalError
 
-from lightning_site.queues import Queue
+from core.queues import Queue
 from runners import services
 
 

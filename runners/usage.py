@@ -1,9 +1,9 @@
-"""An attempt's usage for the ledger: the task's CPU (lightning_site/usage.py) and, when the
+"""An attempt's usage for the ledger: the task's CPU (core/usage.py) and, when the
 agent initialised CUDA in this process, wall time x the devices it holds."""
 
 from __future__ import annotations
 
-from lightning_site.usage import CpuMeter, cuda_held
+from core.usage import CpuMeter, cuda_held
 from store.services import Usage
 
 

@@ -11,7 +11,7 @@ from celery import bootsteps
 from django.conf import settings
 from django.db import close_old_connections
 
-from lightning_site import control
+from core import control
 from runners import hardware, services
 
 log = logging.getLogger(__name__)

@@ -363,20 +363,28 @@ def _of_project(project: Project, rollout_ids: Sequence[str], *fields: str) -> l
 
 
 _STARTED = time.time()
+# /statistics counts a project's spans only this far, so a call reads at most this many span
+# index entries however many millions the project holds (the span table is the store's largest
+# by far). Past it, `total_spans` is this number and `total_spans_capped` is true.
+STATISTICS_SPAN_LIMIT = 100_000
 
 
 def statistics(*, project: Project) -> dict[str, Any]:
     """AGL's statistics (`name`, totals, `uptime`: seconds since this process started),
-    plus rollouts by status."""
+    plus rollouts by status; spans are counted up to STATISTICS_SPAN_LIMIT."""
     by_status = dict(
         Rollout.objects.filter(project=project).values_list("status").annotate(n=Count("pk"))
     )
+    # A sliced count is `SELECT COUNT(*) FROM (... LIMIT n)`: the scan stops at the limit.
+    spans = (Span.objects.filter(rollout__project=project).values("pk")
+             [:STATISTICS_SPAN_LIMIT + 1].count())
     return {
         "name": "DjangoLightningStore",
         "total_rollouts": sum(by_status.values()),
         "rollouts_by_status": by_status,
         "total_attempts": Attempt.objects.filter(rollout__project=project).count(),
-        "total_spans": Span.objects.filter(rollout__project=project).count(),
+        "total_spans": min(spans, STATISTICS_SPAN_LIMIT),
+        "total_spans_capped": spans > STATISTICS_SPAN_LIMIT,
         "total_resources": ResourceSet.objects.filter(project=project).count(),
         "total_workers": Worker.objects.filter(project=project).count(),
         "uptime": time.time() - _STARTED,

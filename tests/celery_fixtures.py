@@ -36,8 +36,8 @@ import pytest
 import redis
 from django.db import connection
 
-from lightning_site.celery import app as celery_app
-from lightning_site.queues import Queue
+from core.celery import app as celery_app
+from core.queues import Queue
 
 ROOT = Path(__file__).resolve().parent.parent
 RABBITMQ_HOST = os.environ.get("TEST_RABBITMQ_HOST", "127.0.0.1:5672")

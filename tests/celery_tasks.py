@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from lightning_site.queues import Queue
+from core.queues import Queue
 
 
 @shared_task(name="tests.record_node", lightning_queue=Queue.TRAINING.value, bind=True)

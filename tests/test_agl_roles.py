@@ -1,4 +1,4 @@
-"""AGL_CURRENT_ROLE, read as AGL reads it (lightning_site/agl_roles.py)."""
+"""AGL_CURRENT_ROLE, read as AGL reads it (core/agl_roles.py)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import CommandError, call_command
 
-from lightning_site import agl_roles
-from lightning_site.agl_roles import Role
-from lightning_site.queues import Queue
+from core import agl_roles
+from core.agl_roles import Role
+from core.queues import Queue
 
 
 @pytest.mark.parametrize("raw,role,queues", [

@@ -8,7 +8,7 @@ from io import StringIO
 import pytest
 from django.core.management import call_command
 
-from lightning_site import control
+from core import control
 from runners import services
 from runners.checks import check_settings
 from store.models import Span

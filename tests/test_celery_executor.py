@@ -7,7 +7,7 @@ import threading
 import pytest
 from django.db import OperationalError
 
-from lightning_site.retry import RetryPolicy
+from core.retry import RetryPolicy
 from runners import executor
 from runners import services as runner_services
 from runners.agent import AgentError, load_agent
@@ -164,7 +164,7 @@ def test_the_in_process_gateway_finishes_through_a_lost_database_connection(proj
     Here the gateway's own connection is killed by the server before the finish."""
     from django.db import connection, connections
 
-    from lightning_site.retry import RetryPolicy
+    from core.retry import RetryPolicy
 
     services.rollout_enqueue(project=project, spec=RolloutSpec(input={"i": 1}))
     gateway = LocalGateway(project, retry=RetryPolicy(retries=3, backoff=0.01))

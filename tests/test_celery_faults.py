@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_site.celery import app as celery_app
+from core.celery import app as celery_app
 from runners import services as runner_services
 from store.models import Attempt, Rollout
 from store.services import RolloutSpec

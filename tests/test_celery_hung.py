@@ -8,7 +8,7 @@ from io import StringIO
 import pytest
 from django.core.management import call_command
 
-from lightning_site.processes import process_alive
+from core.processes import process_alive
 from runners import services as runner_services
 from runners.held_slots import held_slots
 from runners.models import HeldSlot

@@ -13,9 +13,9 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
 
+from core.console import quiet_libraries
+from core.env import database_from_url
 from examples.cipher import job_spec
-from lightning_site.console import quiet_libraries
-from lightning_site.env import database_from_url
 from runners.management.commands._progress import reward_line
 from store import services as store_services
 from store.models import Attempt
@@ -151,7 +151,7 @@ def test_routine_control_tasks_log_at_debug_only(caplog):
     """The sweep every 5 s made an idle control worker log ~1,400 lines an hour."""
     import celery.app.trace as trace
 
-    import lightning_site.celery  # noqa: F401 - installs the filter
+    import core.celery  # noqa: F401 - installs the filter
 
     def succeeded(name: str) -> None:
         trace.logger.info(trace.LOG_SUCCESS, {"id": "1", "name": name, "runtime": 0.01,

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightning_site.queues import Queue
+from core.queues import Queue
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"

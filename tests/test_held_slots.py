@@ -15,8 +15,8 @@ from django.core.management.base import CommandError
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
+from core.publish import Message
 from examples.cipher import job_spec
-from lightning_site.publish import Message
 from runners import services as runner_services
 from runners.held_slots import HeldSlotRecorder, held_slots, held_slots_forget
 from runners.models import HeldSlot

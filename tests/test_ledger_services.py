@@ -15,7 +15,7 @@ from django.core.management import call_command
 from django.db import connection, transaction
 from prometheus_client.parser import text_string_to_metric_families
 
-from lightning_site.env import env_prices
+from core.env import env_prices
 from runners import services as runner_services
 from store import selectors, services, watchdog
 from store.errors import IllegalTransition, InvalidInput

@@ -17,11 +17,11 @@ from django.contrib.auth.models import User
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from lightning_site.gateway_metrics import record_completion
 from store import services, watchdog
 from tests.api.conftest import ROOT, database_url_for_tests
 from tests.celery_fixtures import wait_until
 from tests.conftest import backdate, claim, enqueue
+from trainer.llm.metrics import record_completion
 
 pytestmark = pytest.mark.django_db(transaction=True)
 SERVER_PORT = 18410

@@ -14,8 +14,8 @@ from django.core.management import call_command
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
-from lightning_site.queues import Queue
-from lightning_site.scaling import desired_workers
+from core.queues import Queue
+from core.scaling import desired_workers
 from runners import services as runner_services
 from runners.models import CeleryWorker
 from store import services

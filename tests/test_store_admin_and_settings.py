@@ -8,7 +8,7 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.urls import reverse
 
-from lightning_site import env
+from core import env
 from store import services
 from tests.conftest import claim, enqueue
 

@@ -1,11 +1,15 @@
-import time
+import json
 
 import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 
-from store import selectors, services
+from store import selectors, services, wakeups
 from store.errors import BadQuery, InvalidInput, NotFound
+from store.models import Span
 from store.services import RolloutSpec
 from tests.conftest import claim, enqueue
+from tests.test_span_services import span
 
 
 def test_query_rollouts_filters_sorts_and_paginates(project, other_project):
@@ -103,11 +107,21 @@ def test_wait_for_rollouts_returns_finished_ones_in_order(project):
     assert [r.pk for r in done] == [rollouts[0].pk, rollouts[1].pk]
 
 
-def test_wait_for_rollouts_waits_up_to_its_timeout(project):
+def test_wait_for_rollouts_waits_up_to_its_timeout(project, monkeypatch):
+    """Asserted on what the wait did, not on the clock: it slept (never answered at its first
+    look) for what was left of its 0.3 s, less at each look, until nothing was left."""
     rollout = enqueue(project, 1)[0]
-    start = time.monotonic()
+    slept: list[float] = []
+    real_sleep = wakeups.Waiter.sleep
+
+    def sleep(self, remaining: float) -> None:
+        slept.append(remaining)
+        real_sleep(self, remaining)
+
+    monkeypatch.setattr(wakeups.Waiter, "sleep", sleep)
     assert selectors.rollouts_wait(project=project, rollout_ids=[rollout.pk], timeout=0.3) == []
-    assert time.monotonic() - start >= 0.3
+    assert slept and all(0 < left <= 0.3 for left in slept)
+    assert slept == sorted(slept, reverse=True)
 
 
 def test_statistics_count_the_project_only(project, other_project):
@@ -117,6 +131,45 @@ def test_statistics_count_the_project_only(project, other_project):
     stats = selectors.statistics(project=project)
     assert stats["total_rollouts"] == 2 and stats["total_attempts"] == 1
     assert stats["rollouts_by_status"] == {"queuing": 1, "preparing": 1}
+
+
+def _spans(project, n):
+    enqueue(project, 1)
+    rollout, attempt = claim(project)
+    services.spans_add(project=project, spans=[span(rollout, attempt, i) for i in range(1, n + 1)])
+
+
+def test_statistics_count_spans_up_to_a_limit_and_say_so(project, monkeypatch):
+    monkeypatch.setattr(selectors, "STATISTICS_SPAN_LIMIT", 3, raising=False)
+    _spans(project, 2)
+    stats = selectors.statistics(project=project)
+    assert (stats["total_spans"], stats["total_spans_capped"]) == (2, False)
+    _spans(project, 5)
+    stats = selectors.statistics(project=project)
+    assert (stats["total_spans"], stats["total_spans_capped"]) == (3, True)
+
+
+@pytest.mark.postgres
+def test_statistics_read_at_most_the_limit_of_spans(project, monkeypatch):
+    """Bounded cost, as Postgres counts it: the plan's span scans return at most limit + 1
+    rows however many spans the project has (before: every span, on each call)."""
+    monkeypatch.setattr(selectors, "STATISTICS_SPAN_LIMIT", 3, raising=False)
+    _spans(project, 20)
+    with CaptureQueriesContext(connection) as queries:
+        selectors.statistics(project=project)
+    table = Span._meta.db_table
+    [sql] = [q["sql"] for q in queries if f'FROM "{table}"' in q["sql"]]
+    with connection.cursor() as cursor:
+        cursor.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {sql}")
+        plan = cursor.fetchone()[0]
+    plan = json.loads(plan) if isinstance(plan, str) else plan
+
+    def span_rows(node: dict) -> int:
+        own = (node["Actual Rows"] * node["Actual Loops"]
+               if node.get("Relation Name") == table else 0)
+        return own + sum(span_rows(child) for child in node.get("Plans", []))
+
+    assert 0 < span_rows(plan[0]["Plan"]) <= 4
 
 
 def test_api_keys_are_hashed_shown_once_and_checked(project):

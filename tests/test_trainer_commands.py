@@ -130,7 +130,7 @@ def test_no_follow_on_the_embedded_default_is_refused_not_ignored(settings, monk
 
 def test_hints_name_the_command_the_user_runs(monkeypatch):
     """Finding 7: hints printed `manage.py` to users of ./lightning."""
-    from lightning_site.console import command_hint
+    from core.console import command_hint
 
     monkeypatch.delenv("LIGHTNING_COMMAND", raising=False)
     assert command_hint("train_resume 3") == "`manage.py train_resume 3`"

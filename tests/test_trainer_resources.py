@@ -1,4 +1,4 @@
-"""Routing a training step by what it needs (job config `resources`, lightning_site/devices.py):
+"""Routing a training step by what it needs (job config `resources`, core/devices.py):
 the config's check, the claim filter, the waiting reason, and real Celery training workers
 whose registered devices (WORKERS_CUDA_DEVICES: this machine has no GPU) differ."""
 
@@ -11,8 +11,8 @@ import pytest
 from django.core.management import call_command
 
 from examples.cipher import job_spec
-from lightning_site import devices
-from lightning_site.devices import GIB, Resources
+from core import devices
+from core.devices import GIB, Resources
 from runners import services as runners_services
 from store.errors import InvalidInput
 from store.models import Project

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from lightning_site import control
+from core import control
 from store import hooks
 from trainer import checkpoints, reactions, services
 from trainer import conventions as c
@@ -104,7 +104,7 @@ def test_a_process_that_never_trains_never_loads_torch():
     code = (
         "import sys, django; django.setup();"
         "from django.urls import resolve; resolve('/v1/agl/health');"
-        "import lightning_site.wsgi, lightning_site.celery, trainer.services, trainer.algorithms;"
+        "import lightning_site.wsgi, core.celery, trainer.services, trainer.algorithms;"
         "from trainer.algorithms import algorithm_load;"
         "assert 'torch' not in sys.modules, 'torch was imported';"
         "from trainer.algorithms import GRPO; assert 'torch' in sys.modules; print('ok')"

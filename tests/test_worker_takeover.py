@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from lightning_site import control
-from lightning_site import processes as control_processes
+from core import control
+from core import processes as control_processes
 from runners import services
 from store import services as store_services
 from store.models import Rollout

@@ -1,8 +1,8 @@
 from django.apps import AppConfig
 
-from lightning_site.control import register_reconciler, register_takeover, register_waiting
-from lightning_site.queues import Queue
-from lightning_site.scaling import register_backlog
+from core.control import register_reconciler, register_takeover, register_waiting
+from core.queues import Queue
+from core.scaling import register_backlog
 from store import hooks
 
 

@@ -1,13 +1,13 @@
 """Sending Celery messages for the trainer. A message is only a wake-up call: every receiver
 re-reads its rows and claims with a compare-and-swap, so sending twice is harmless. Callers
 send after the transaction that justifies the message commits, through the one publisher
-(lightning_site.publish); what the broker did not take is marked on its rows as unsent, so the
+(core.publish); what the broker did not take is marked on its rows as unsent, so the
 next reconcile sends it again at once."""
 
 from __future__ import annotations
 
-from lightning_site.publish import Message, publish
-from lightning_site.queues import Queue
+from core.publish import Message, publish
+from core.queues import Queue
 from store import services as store_services
 from trainer.models import STEP_OPEN
 from trainer.statemachine import step_move

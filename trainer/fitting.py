@@ -24,6 +24,9 @@ from django.apps import apps
 from django.conf import settings
 from django.core.management import call_command
 
+from core import agl_roles
+from core.queues import Queue
+
 
 def fit(
     *, agent: str | Callable[..., Any] | type, train_dataset: Sequence[Any],
@@ -36,8 +39,6 @@ def fit(
     `@agl.rollout` agent, a class), which must be importable by that path."""
     _setup_django()
     # After setup: models cannot be imported before Django's app registry is ready.
-    from lightning_site import agl_roles
-    from lightning_site.queues import Queue
     from trainer.management.commands.train import project_named, run_followed
     from trainer.services import job_create
 

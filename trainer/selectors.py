@@ -12,8 +12,8 @@ from django.db.models import Count, F, Q, Sum
 from django.urls import reverse
 from django.utils import timezone
 
-from lightning_site import control, devices
-from lightning_site.queues import Queue
+from core import control, devices
+from core.queues import Queue
 from store import selectors as store_selectors
 from store.models import ResourceVersion, Rollout, RolloutGroup, Span
 from store.statemachine import ROLLOUT_TERMINAL
@@ -24,7 +24,7 @@ from trainer.models import JobStatus, StepStatus, TrainingJob, TrainingStep
 
 def training_backlog() -> tuple[int, int]:
     """(queued, running) training steps: ready ones wait for a training worker, training ones
-    hold one (the scaling signal of the training queue, lightning_site/scaling.py)."""
+    hold one (the scaling signal of the training queue, core/scaling.py)."""
     counts = dict(TrainingStep.objects.filter(status__in=[StepStatus.READY, StepStatus.TRAINING])
                   .values_list("status").annotate(n=Count("pk")).order_by())
     return counts.get(StepStatus.READY, 0), counts.get(StepStatus.TRAINING, 0)
@@ -232,6 +232,6 @@ def waiting_steps(*, project_id: int | None = None, job_id: int | None = None
 
 
 def waiting_lines(project_id: int | None) -> list[str]:
-    """For queue_watch (lightning_site.control.register_waiting): one line per waiting step."""
+    """For queue_watch (core.control.register_waiting): one line per waiting step."""
     return [f"training step {step.n} of job {step.job_id}: waiting: {reason}"
             for step, reason in waiting_steps(project_id=project_id)]

@@ -24,11 +24,11 @@ from django.db import transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
-from lightning_site import devices
-from lightning_site.processes import process_alive
-from lightning_site.retry import DEFAULT as DB_RETRY
-from lightning_site.retry import RetryPolicy
-from lightning_site.usage import CpuMeter, cuda_held
+from core import devices
+from core.processes import process_alive
+from core.retry import DEFAULT as DB_RETRY
+from core.retry import RetryPolicy
+from core.usage import CpuMeter, cuda_held
 from store import selectors as store_selectors
 from store import services as store_services
 from store.errors import IllegalTransition, InvalidInput
@@ -299,7 +299,7 @@ def step_claim(*, step_id: int, worker: str, now: datetime | None = None,
     try. None when the step is not claimable: done, held by a live worker, or its job is not
     running (a redelivered message then does nothing), or when the job's `resources` need
     more than this worker's devices (`worker_devices`, default this process's: the claim
-    filter of lightning_site/devices.py; the step stays for a worker that has them). A step
+    filter of core/devices.py; the step stays for a worker that has them). A step
     tried too often fails its job."""
     now = now or _now()
     step = TrainingStep.objects.select_related("job").filter(pk=step_id).first()
@@ -367,7 +367,7 @@ def step_train(*, step_id: int, worker: str | None = None,
 
     Once the step is claimed, this try holds it until its lease ends (a live process's hold
     is not taken over), so every database call after the claim retries transient errors
-    (`retry`, lightning_site/retry.py: about 30 s of backoff): Postgres restarting while a
+    (`retry`, core/retry.py: about 30 s of backoff): Postgres restarting while a
     step trained must cost a few seconds, not the lease. A transient error in the claim
     itself fails the task, which Celery retries (trainer/tasks.py): nothing is held then."""
     worker = worker or f"{socket.gethostname()}:{os.getpid()}"
@@ -844,7 +844,7 @@ def steps_take_over(node: str, pid: int) -> int:
 
 
 def steps_redispatch() -> int:
-    """The reconciler the control sweep runs (lightning_site.control): how many steps it moved
+    """The reconciler the control sweep runs (core.control): how many steps it moved
     to ready or sent again."""
     report = steps_sweep()
     return len(report.ready) + len(report.resent)

@@ -7,7 +7,7 @@ import os
 from celery import shared_task
 from django.db import InterfaceError, OperationalError
 
-from lightning_site.queues import Queue
+from core.queues import Queue
 from trainer import delivery, services
 
 

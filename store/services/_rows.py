@@ -226,7 +226,7 @@ def fetch_one_prepared(sql: str, params: list) -> tuple | None:
     export: ~0.4 ms of ~0.55), and whose parameters need no quoting into the text.
 
     Django's own cursors bind server-side too and are prepared from their fifth run
-    (lightning_site/env.py); this one is prepared at its first. Errors are Django's, as from
+    (core/env.py); this one is prepared at its first. Errors are Django's, as from
     its cursors, and the statement is logged where Django logs queries."""
     connection.ensure_connection()
     connection.validate_thread_sharing()

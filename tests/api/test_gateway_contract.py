@@ -13,7 +13,7 @@ import httpx
 import pytest
 from django.db import OperationalError
 
-from lightning_site.retry import RetryPolicy
+from core.retry import RetryPolicy
 from runners import local_gateway
 from runners.client import StoreClient
 from runners.gateway import StoreGateway

@@ -25,13 +25,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from django.conf import settings
 from django.db import close_old_connections
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from lightning_site.gateway_metrics import record_completion, record_turn
+from core.metrics import process_metrics
 from store.api.auth import authenticate_key
 from store.errors import NotFound
 from store.models import Project, ResourceVersion
@@ -41,6 +43,7 @@ from trainer.llm import calls
 from trainer.llm import tools as llm_tools
 from trainer.llm.batcher import Batcher
 from trainer.llm.engine import Engine, PromptTooLong, Sequence_
+from trainer.llm.metrics import record_completion, record_turn
 from trainer.llm.openai_api import BadRequest, Parsed, chunk, parse, response, usage
 from trainer.llm.registry import Registry, Space, UnknownModel
 from trainer.llm.turns import Turns
@@ -143,11 +146,6 @@ class Gateway:
 
     async def _metrics(self, request: Request) -> Response:
         """Prometheus text (lightning_gateway_* among them), for `Bearer $METRICS_TOKEN`."""
-        from django.conf import settings
-        from prometheus_client import CONTENT_TYPE_LATEST
-
-        from lightning_site.metrics import process_metrics
-
         token = settings.METRICS_TOKEN
         header = request.headers.get("authorization", "")
         if not token or not hmac.compare_digest(header.encode(), f"Bearer {token}".encode()):

@@ -1,5 +1,5 @@
 """Running the gateway: under uvicorn in its own process (`manage.py llm_serve`) or in a
-thread of this process (the embedded default: `lightning_site.embedded.embedded_gateway`)."""
+thread of this process (the embedded default: `trainer.llm.embedded.embedded_gateway`)."""
 
 from __future__ import annotations
 

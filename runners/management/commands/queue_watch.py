@@ -1,7 +1,7 @@
 from django.core.management.base import BaseCommand
 
-from lightning_site import control
-from lightning_site.console import progress_stream
+from core import control
+from core.console import progress_stream
 from runners import selectors
 from runners.held_slots import held_slots
 from runners.management.commands._progress import follow, project_named, summary

@@ -5,8 +5,8 @@ from pathlib import Path
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from lightning_site.console import progress_stream, quiet_libraries
-from lightning_site.embedded import embedded_workers
+from core.console import progress_stream, quiet_libraries
+from core.embedded import embedded_workers
 from runners import selectors, services
 from runners.llm import PROXY_LLM
 from runners.management.commands._progress import follow, project_named, reward_line

@@ -10,8 +10,8 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from lightning_site import agl_roles
-from lightning_site.console import quiet_libraries
+from core import agl_roles
+from core.console import quiet_libraries
 from runners.client import ApiError, StoreClient
 from runners.remote_runner import RemoteRunner, RunnerOptions, default_server
 

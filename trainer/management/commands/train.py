@@ -20,20 +20,21 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from django.db import connections
 
-from lightning_site.console import (
+from core.console import (
     Terminated,
     command_hint,
     progress_stream,
     quiet_libraries,
     sigterm_as_interrupt,
 )
-from lightning_site.embedded import embedded_gateway, embedded_workers
-from lightning_site.queues import Queue
+from core.embedded import embedded_workers
+from core.queues import Queue
 from store import services as store_services
 from store.errors import InvalidInput
 from store.models import Project
 from trainer import progress, selectors, services, specs
 from trainer.algorithms import algorithm_class
+from trainer.llm.embedded import embedded_gateway
 from trainer.models import JobStatus, TrainingJob
 
 

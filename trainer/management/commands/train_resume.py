@@ -8,7 +8,7 @@ import time
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from lightning_site.console import progress_stream, quiet_libraries, sigterm_as_interrupt
+from core.console import progress_stream, quiet_libraries, sigterm_as_interrupt
 from trainer import services
 from trainer.management.commands.train import (
     interrupted,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.core.management.base import BaseCommand, CommandError
 
-from lightning_site.console import progress_stream
+from core.console import progress_stream
 from store import selectors as store_selectors
 from trainer import progress, selectors
 from trainer.management.commands.train import job_or_error

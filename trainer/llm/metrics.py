@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Histogram
 
-from lightning_site.metrics import LATENCY_BUCKETS
+from core.metrics import LATENCY_BUCKETS
 
 gateway_requests = Counter(
     "lightning_gateway_requests", "Completions answered by the model gateway", ["model"])

@@ -12,6 +12,10 @@ tasks and services are the distributed mode's; only the transport and the thread
 
 Messages live in memory: those not consumed when the block ends are lost, and the next
 `embedded_workers()` re-sends them at start (the rows are the truth).
+
+The control work, the re-send and the workers' bookkeeping are the runners app's: it plugs
+them in from its AppConfig.ready() (`register_control`), so this kernel module names no app
+and a trainer command can run the workers without importing runners (README "Layout").
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -28,10 +32,9 @@ from celery.worker import state as worker_state
 from django.conf import settings
 from django.db import connections
 
-from lightning_site import agl_roles
-from lightning_site.celery import app as celery_app
-from lightning_site.queues import Queue
-from runners import services as runner_services
+from core import agl_roles
+from core.celery import app as celery_app
+from core.queues import Queue
 
 log = logging.getLogger(__name__)
 
@@ -39,15 +42,40 @@ READY_TIMEOUT = 60.0
 STOP_TIMEOUT = 120.0
 
 
+@dataclass(frozen=True)
+class Control:
+    """What the app that owns the workers and the control work plugs in (runners)."""
+
+    sweep: Callable[[], dict[str, int]]  # one round of the control work: what beat's tasks run
+    resend_queued: Callable[[], int]  # send every queued rollout's message again, now
+    worker_stopped: Callable[[str, int], None]  # a hosted worker's goodbye: (node name, pid)
+
+
+_control: list[Control] = []
+
+
+def register_control(control: Control) -> None:
+    """Plug in (or replace) the control work the embedded workers run."""
+    _control[:] = [control]
+
+
+def _plugged() -> Control:
+    if not _control:
+        raise RuntimeError("no app plugged in the embedded control work (runners does, from "
+                           "its AppConfig.ready(): is it in INSTALLED_APPS?)")
+    return _control[0]
+
+
 @dataclass
 class EmbeddedWorkers:
+    control: Control
     workers: dict[str, WorkController] = field(default_factory=dict)
     threads: list[threading.Thread] = field(default_factory=list)
     stop_sweep: threading.Event = field(default_factory=threading.Event)
 
     def sweep_now(self) -> dict[str, int]:
         """Run the control work once, now (the sweep thread also runs it on schedule)."""
-        return {**runner_services.control_sweep(), **runner_services.control_reconcile()}
+        return self.control.sweep()
 
 
 @contextmanager
@@ -57,16 +85,16 @@ def embedded_workers(
 ) -> Iterator[EmbeddedWorkers]:
     """Run Celery workers for `queues` (one worker per queue, threads) and the sweep in this
     process while the block runs. `queues` defaults to those of the process's AGL role
-    (lightning_site/agl_roles.py: both queues unless AGL_CURRENT_ROLE says `runner` or
+    (core/agl_roles.py: both queues unless AGL_CURRENT_ROLE says `runner` or
     `algorithm`). `concurrency` maps a queue to its worker's thread count
     (default: EMBEDDED_ROLLOUT_CONCURRENCY for rollouts, 1 for the others); `sweep_seconds`
     defaults to LIGHTNING_SWEEP_SECONDS. Stopping waits for running tasks (warm shutdown)."""
     concurrency = dict(concurrency or {})
     if queues is None:
         queues = agl_roles.embedded_queues(agl_roles.current_role())
+    state = EmbeddedWorkers(control=_plugged())
     celery_app.finalize()
     celery_app.set_current()
-    state = EmbeddedWorkers()
     try:
         for queue in queues:
             threads = concurrency.get(
@@ -75,7 +103,7 @@ def embedded_workers(
             )
             _start_worker(state, str(queue), threads, loglevel)
         # What the previous run left queued lost its in-memory messages: send them again.
-        runner_services.rollouts_redispatch(resend_after_seconds=0)
+        state.control.resend_queued()
         sweep = threading.Thread(
             target=_sweep_loop, name="embedded-sweep", daemon=True,
             args=(state, sweep_seconds or settings.LIGHTNING_SWEEP_SECONDS),
@@ -134,26 +162,6 @@ def _say_goodbye(state: EmbeddedWorkers) -> None:
     left rows "alive" with no process behind them."""
     for worker in state.workers.values():
         try:
-            runner_services.celery_worker_stop(name=worker.hostname, pid=os.getpid())
+            state.control.worker_stopped(worker.hostname, os.getpid())
         except Exception:  # bookkeeping: never in the way of stopping
             log.exception("embedded worker %s: goodbye failed", worker.hostname)
-
-
-@contextmanager
-def embedded_gateway() -> Iterator[str]:
-    """The model gateway (trainer/llm) on LLM_GATEWAY_HOST:LLM_GATEWAY_PORT in a thread of
-    this process while the block runs; yields its base URL."""
-    from trainer.llm.server import ServerThread, build_gateway
-
-    gateway = build_gateway()
-    try:
-        server = ServerThread(gateway.app(), host=settings.LLM_GATEWAY_HOST,
-                              port=settings.LLM_GATEWAY_PORT).start()
-    except RuntimeError:
-        raise RuntimeError(
-            f"the model gateway could not listen on {settings.LLM_GATEWAY_HOST}:"
-            f"{settings.LLM_GATEWAY_PORT} (in use?); set LLM_GATEWAY_PORT") from None
-    try:
-        yield f"http://{settings.LLM_GATEWAY_HOST}:{server.port}/v1"
-    finally:
-        server.stop()

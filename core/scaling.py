@@ -6,7 +6,7 @@ mid-task. Apps report their queue's backlog through a registry (the store's Cele
 for `rollouts`, the trainer's steps for `training`), so the reader (`runners.selectors`,
 `/metrics`) needs no import of the app that owns the rows:
 
-    from lightning_site.scaling import register_backlog
+    from core.scaling import register_backlog
     register_backlog("training", trainer.selectors.training_backlog)
 
 A backlog function takes no arguments and returns (queued, running).

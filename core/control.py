@@ -4,7 +4,7 @@ The control sweep (runners' `reconcile` task, run by celery-beat, or the embedde
 sweep thread) calls every registered reconciler. The trainer registers the one that re-sends
 training steps left by a dead worker, from its AppConfig.ready():
 
-    from lightning_site.control import register_reconciler
+    from core.control import register_reconciler
     register_reconciler("training_steps", trainer.services.steps_redispatch)
 
 A reconciler takes no arguments, returns how many things it re-sent, does bounded work in

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_site.celery import app as celery_app
+from core.celery import app as celery_app
 
 log = logging.getLogger(__name__)
 

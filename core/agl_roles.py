@@ -14,8 +14,8 @@ from enum import StrEnum
 
 from django.core.exceptions import ImproperlyConfigured
 
-from lightning_site.env import env_str
-from lightning_site.queues import Queue
+from core.env import env_str
+from core.queues import Queue
 
 ROLE_VARIABLE = "AGL_CURRENT_ROLE"
 
