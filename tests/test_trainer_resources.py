@@ -10,9 +10,9 @@ import json
 import pytest
 from django.core.management import call_command
 
-from examples.cipher import job_spec
 from core import devices
 from core.devices import GIB, Resources
+from examples.cipher import job_spec
 from runners import services as runners_services
 from store.errors import InvalidInput
 from store.models import Project
