@@ -47,6 +47,8 @@ DEQUEUE_PATH = "/v1/agl/queues/rollouts/dequeue"
 # The route labels Django's metrics middleware gives these requests (resolver_match.route).
 DEQUEUE_ROUTE = DEQUEUE_PATH
 ATTEMPT_ROUTE = "/v1/agl/rollouts/<str:rollout_id>/attempts/<str:attempt_id>"
+SPANS_PATH = "/v1/agl/spans"
+NEXT_SPAN_PATH = "/v1/agl/spans/next"
 _ROLLOUTS_PREFIX = "/v1/agl/rollouts/"
 _ACCEPTS = (None, b"*/*", b"application/json")
 _JSON = b"application/json"
@@ -57,6 +59,9 @@ _UPDATE_FIELDS = s.UpdateAttemptIn().fields
 _ATTEMPTED = s.AttemptedRolloutOut()
 _ATTEMPT = s.AttemptOut()
 _REFUSED_NULLS = ("status", "worker_id", "last_heartbeat_time", "metadata")
+_NEXT_SPAN_FIELDS = s.NextSequenceIdIn().fields
+_SPAN = s.SpanOut()
+_NEXT_SPAN = s.NextSequenceIdOut()
 
 
 def _allow(view: type) -> bytes:
@@ -81,9 +86,21 @@ def _attempt_view() -> type:
     return AttemptEndpoint
 
 
+def _spans_view() -> type:
+    from store.api.urls import SpansEndpoint
+
+    return SpansEndpoint
+
+
 _ATTEMPT_VIEW = _attempt_view()
 _ATTEMPT_ALLOW = _allow(_ATTEMPT_VIEW)
 _ATTEMPT_ROLES = _roles(_ATTEMPT_VIEW)
+_SPANS_VIEW = _spans_view()
+_SPANS_ALLOW = _allow(_SPANS_VIEW)
+_SPANS_ROLES = _roles(_SPANS_VIEW)
+_NEXT_SPAN_VIEW = v.NextSpanSequenceIdView
+_NEXT_SPAN_ALLOW = _allow(_NEXT_SPAN_VIEW)
+_NEXT_SPAN_ROLES = _roles(_NEXT_SPAN_VIEW)
 
 Handler = Callable[[dict[bytes, bytes], str, bytes], Answer | None]
 
@@ -95,6 +112,10 @@ def route(method: str, path: str, query_string: bytes) -> tuple[str, Handler] | 
         return None
     if path == DEQUEUE_PATH:
         return DEQUEUE_ROUTE, dequeue
+    if path == NEXT_SPAN_PATH:
+        return NEXT_SPAN_PATH, next_span_sequence_id
+    if path == SPANS_PATH:
+        return SPANS_PATH, add_span
     if path.startswith(_ROLLOUTS_PREFIX):
         parts = path[len(_ROLLOUTS_PREFIX) :].split("/")
         # rollouts/<id>/attempts/search is another view (search attempts).
@@ -143,7 +164,8 @@ def _swept(project_id: int) -> bool:
 _FAILED: Answer = (500, [(b"content-type", _JSON)], b'{"detail":"internal server error"}')
 
 
-def _answer(allow: bytes, build: Callable[[], tuple[Any, set[str]]]) -> Answer:
+def _answer(allow: bytes, build: Callable[[], tuple[Any, set[str]]], status: int = 200
+            ) -> Answer:
     """The answer, built once the service call committed: an error now is a 500, never a
     second run of the request through Django (it would claim or write again)."""
     try:
@@ -157,7 +179,7 @@ def _answer(allow: bytes, build: Callable[[], tuple[Any, set[str]]]) -> Answer:
     headers[1] = (b"allow", allow)
     if cancelled:
         headers.append((CANCELLED_HEADER.lower().encode(), ",".join(sorted(cancelled)).encode()))
-    return 200, headers, content
+    return status, headers, content
 
 
 def _object(body: bytes) -> dict | None:
@@ -265,3 +287,62 @@ def update_attempt(headers: dict[bytes, bytes], path: str, body: bytes) -> Answe
         return _ATTEMPT.to_representation(attempt), cancelled
 
     return _answer(_ATTEMPT_ALLOW, build)
+
+
+def next_span_sequence_id(headers: dict[bytes, bytes], path: str, body: bytes
+                          ) -> Answer | None:
+    """NextSpanSequenceIdView's answer, or None: let Django answer. One UPDATE in
+    autocommit, which checks the key too (`services.span_next_sequence_id`)."""
+    key = _key(headers, path, body, _NEXT_SPAN_ROLES)
+    if key is None:
+        return None
+    payload = _object(body)
+    data = None if payload is None else _validated(_NEXT_SPAN_FIELDS, payload)
+    if data is None:
+        return None
+    project = key.project
+    if not _swept(project.pk):
+        return None
+    try:
+        sequence_id = services.span_next_sequence_id(
+            project=project, live_key=key.live_check, **data
+        )
+    except Exception:
+        # Nothing reserved (unknown rollout, dead key): Django's path answers, in its words.
+        log.debug("spans/next fast path: falling back to Django", exc_info=True)
+        return None
+    return _answer(_NEXT_SPAN_ALLOW,
+                   lambda: (_NEXT_SPAN.to_representation({"sequence_id": sequence_id}), set()))
+
+
+def add_span(headers: dict[bytes, bytes], path: str, body: bytes) -> Answer | None:
+    """AddSpanView's answer (201: the stored span, or `null` for a duplicate), or None: let
+    Django answer. The OTLP export's one statement (`services.span_add_lean`)."""
+    key = _key(headers, path, body, _SPANS_ROLES)
+    if key is None:
+        return None
+    payload = _object(body)
+    if payload is None:
+        return None
+    try:
+        span = s.SpanField().run_validation(payload)  # AddSpanView's check
+    except Exception:
+        return None
+    project = key.project
+    if not _swept(project.pk):
+        return None
+    try:
+        ingested = services.span_add_lean(project=project, span=span, live_key=key.live_check)
+    except Exception:
+        # Refused before anything was stored: Django's path refuses it again, in its words.
+        log.debug("add span fast path: falling back to Django", exc_info=True)
+        return None
+    if ingested is None:
+        return None
+    stored = ingested.rows[0]
+    return _answer(
+        _SPANS_ALLOW,
+        lambda: (None if stored is None else _SPAN.to_representation(stored),
+                 ingested.cancelled),
+        status=201,
+    )

@@ -10,10 +10,11 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from types import SimpleNamespace
 from typing import Any
 
 from django.db import DataError, connection, transaction
-from django.db.models import CharField, F, JSONField
+from django.db.models import CharField, JSONField
 from django.db.models.base import ModelState
 from django.utils import timezone
 from psycopg import errors as pg_errors
@@ -106,12 +107,41 @@ def spans_export(
     now = now or timezone.now()
     with _naming_bad_text(spans):
         if _common_case_possible(spans):
-            cancelled = _export_common(project, spans, now, live_key)
-            if cancelled is not None:
-                return SpansExported(cancelled, 0)
+            row = _export_common(project, spans, now, live_key)
+            if row is not None:
+                return SpansExported(_cancelled(row, spans[0]), 0)
         require_key_live(live_key)
         ingested, unknown = _ingest(project, spans, now, unknown_ok=True)
         return SpansExported(ingested.cancelled, unknown)
+
+
+def span_add_lean(*, project: Project, span: dict[str, Any], live_key: LiveKey,
+                  now: datetime | None = None) -> SpansIngested | None:
+    """`spans_ingest` of one span for the ASGI front's lean `POST /v1/agl/spans`
+    (store/api/fastjson.py): the export's one statement (`_export_common`, in autocommit,
+    committing asynchronously like every span-only write), which also checks `live_key`.
+    The row is the one the full path would answer with (the span's `sequence_id` as the
+    statement gave it; None for a duplicate). None, having written nothing, where the
+    statement leaves the work to the full path (or the key is dead): Django answers."""
+    _validate(span, 0)
+    if not _common_case_possible([span]):
+        return None
+    with _naming_bad_text([span]):
+        row = _export_common(project, [span], now or timezone.now(), live_key)
+    if row is None:
+        return None
+    if span.get("sequence_id") is None:
+        span["sequence_id"] = row[3]
+    stored = None
+    if row[1]:
+        stored = SimpleNamespace(rollout_id=span["rollout_id"], sequence_id=span["sequence_id"],
+                                 attempt=SimpleNamespace(attempt_id=span["attempt_id"]),
+                                 **_span_values(span))
+    return SpansIngested([stored], _cancelled(row, span))
+
+
+def _cancelled(row: tuple, span: dict[str, Any]) -> set[str]:
+    return {span["rollout_id"]} if row[0] == RolloutStatus.CANCELLED else set()
 
 
 @contextmanager
@@ -382,9 +412,11 @@ def _common_case_possible(spans: Sequence[dict[str, Any]]) -> bool:
 
 
 def _export_common(project: Project, spans: Sequence[dict[str, Any]], now: datetime,
-                   live_key: LiveKey | None = None) -> set[str] | None:
-    """An OTLP export of one attempt's spans in one statement run in autocommit: the ids of
-    the spans' rollout if it is cancelled; None, having written nothing, when the full path
+                   live_key: LiveKey | None = None) -> tuple | None:
+    """An OTLP export of one attempt's spans in one statement run in autocommit (also
+    `span_add_lean`'s): the statement's row (the rollout's status, spans inserted, heartbeats
+    written, the first sequence id given to spans without one); None, having written
+    nothing, when the full path
     must answer: the attempt is unknown (or another project's), or unresponsive (its revival
     records the watchdog's verdict), or its rollout's config sets a limit beyond 1e8 s (a
     deadline is computed in Python then, which has its own overflow rule).
@@ -425,10 +457,7 @@ def _export_common(project: Project, spans: Sequence[dict[str, Any]], now: datet
         values = _span_values(span)
         for name, prepare in plan:
             params.append(prepare(values[name]))
-    row = fetch_one_prepared(_common_sql(len(spans), live_key is not None), params)
-    if row is None:
-        return None
-    return {first["rollout_id"]} if row[0] == RolloutStatus.CANCELLED else set()
+    return fetch_one_prepared(_common_sql(len(spans), live_key is not None), params)
 
 
 # An attempt whose rollout's config sets a limit beyond this (seconds) takes the full path:
@@ -496,7 +525,7 @@ def _common_sql(count: int, key_checked: bool = False) -> str:
         f"{', '.join(f'v.{n}' for n in names)} FROM a, r, "
         f"(VALUES {', '.join([placeholder] * count)}) AS v(i, seq, ord, {', '.join(names)}) "
         "ORDER BY v.i ON CONFLICT (attempt_id, span_id) DO NOTHING RETURNING 1) "
-        "SELECT r.status, (SELECT count(*) FROM m), (SELECT count(*) FROM u), "
+        "SELECT r.status, (SELECT count(*) FROM m), (SELECT count(*) FROM u), r.first, "
         "set_config('synchronous_commit', 'off', true) FROM r"
     )
 
@@ -506,16 +535,30 @@ def _deadline(attempt: Attempt, now: datetime) -> datetime | None:
 
 
 def span_next_sequence_id(
-    *, project: Project, rollout_id: str, attempt_id: str, count: int = 1
+    *, project: Project, rollout_id: str, attempt_id: str, count: int = 1,
+    live_key: LiveKey | None = None,
 ) -> int:
     """Reserve `count` span sequence ids of a rollout (its counter is shared by all its
-    attempts, so any attempt id of a known rollout will do, as in AGL); returns the first."""
+    attempts, so any attempt id of a known rollout will do, as in AGL); returns the first.
+
+    One statement, without a transaction of its own (in autocommit it is its own; in a
+    caller's, part of it): the UPDATE locks the rollout's row, so concurrent reservations
+    of one rollout get disjoint ids. Its commit stays synchronous: an id handed out must not
+    be handed out again after a crash. With `live_key` (a lean request's key), the
+    statement also checks that key: KeyNotLive and nothing reserved unless it is live."""
     if count < 1:
         raise InvalidInput("count", "must be >= 1")
-    with transaction.atomic():
-        row = Rollout.objects.filter(project=project, pk=rollout_id)
-        if not row.update(next_span_sequence_id=F("next_span_sequence_id") + count):
-            raise NotFound("rollout", rollout_id)
-        # The row stays locked by our update until commit, so this read is ours alone.
-        after = row.values_list("next_span_sequence_id", flat=True)
-        return after.get() - count
+    key_checked = f" AND {KEY_LIVE_SQL}" if live_key is not None else ""
+    table = Rollout._meta.db_table
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f'UPDATE "{table}" SET "next_span_sequence_id" = "next_span_sequence_id" + %s '
+            f'WHERE "id" = %s AND "project_id" = %s{key_checked} '
+            'RETURNING "next_span_sequence_id" - %s',
+            [count, rollout_id, project.pk, *(live_key or ()), count],
+        )
+        row = cursor.fetchone()
+    if row is None:
+        require_key_live(live_key)
+        raise NotFound("rollout", rollout_id)
+    return row[0]
