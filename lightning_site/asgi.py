@@ -21,8 +21,9 @@ What it adds over running Django under gunicorn's threads:
   read, not taken for empty.
 
 - A lean path for OTLP protobuf exports (store/api/fastpath.py), the bulk of a runner's
-  requests, and for a runner's dequeue (without a wait) and attempt update
-  (store/api/fastjson.py): the common well-formed case without Django's middleware and DRF,
+  requests, and for a runner's dequeue (without a wait), attempt update and AGL's per-span
+  `spans/next` and `spans` (store/api/fastjson.py): the common well-formed case without
+  Django's middleware and DRF,
   the same answer; anything else falls through to Django.
 
 Every other request (and each run of a waiting one) goes through Django's WSGI handler on a

@@ -1,7 +1,9 @@
-"""A lean path for the two JSON requests of an AGL runner's loop: `POST
-/v1/agl/queues/rollouts/dequeue` (without a wait) and `POST
+"""A lean path for the JSON requests of an AGL runner's loop: `POST
+/v1/agl/queues/rollouts/dequeue` (without a wait), `POST
 /v1/agl/rollouts/{rollout_id}/attempts/{attempt_id}` (the attempt update that reports the
-verdict), as store/api/fastpath.py is for OTLP exports.
+verdict), and the two an unmodified AGL 0.3 runner sends for every span (`add_otel_span`):
+`POST /v1/agl/spans/next` and `POST /v1/agl/spans`, as store/api/fastpath.py is for OTLP
+exports.
 
 The ASGI front (lightning_site/asgi.py) offers it these requests first (`route`). It answers
 only the common well-formed case: a valid key of a role the view allows, `Content-Type:
@@ -19,7 +21,12 @@ as it always has:
   empty nothing is stored (the worker is not marked idle) and the request goes through Django,
   whose long-poll waits via the front's deferral;
 - an attempt update whose service call fails (unknown attempt, illegal move) rolled back and
-  is answered by Django, in its words.
+  is answered by Django, in its words;
+- `spans/next` is one UPDATE of the rollout's counter in autocommit that checks the key too;
+  an unknown rollout (or another project's) reserves nothing and Django answers 404;
+- a span is the OTLP export's one statement (`services.span_add_lean`); where that statement
+  leaves the work to the full path (unknown or unresponsive attempt, a dead key, text the
+  database refuses) it wrote nothing and Django answers.
 """
 
 from __future__ import annotations
