@@ -548,17 +548,23 @@ def span_next_sequence_id(
     statement also checks that key: KeyNotLive and nothing reserved unless it is live."""
     if count < 1:
         raise InvalidInput("count", "must be >= 1")
-    key_checked = f" AND {KEY_LIVE_SQL}" if live_key is not None else ""
-    table = Rollout._meta.db_table
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f'UPDATE "{table}" SET "next_span_sequence_id" = "next_span_sequence_id" + %s '
-            f'WHERE "id" = %s AND "project_id" = %s{key_checked} '
-            'RETURNING "next_span_sequence_id" - %s',
-            [count, rollout_id, project.pk, *(live_key or ()), count],
-        )
-        row = cursor.fetchone()
+    sql = _next_sequence_sql(live_key is not None)
+    params = [count, rollout_id, project.pk, *(live_key or ()), count]
+    if connection.vendor == "postgresql":
+        row = fetch_one_prepared(sql, params)  # prepared once per connection
+    else:
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            row = cursor.fetchone()
     if row is None:
         require_key_live(live_key)
         raise NotFound("rollout", rollout_id)
     return row[0]
+
+
+@functools.cache
+def _next_sequence_sql(key_checked: bool) -> str:
+    table = Rollout._meta.db_table
+    return (f'UPDATE "{table}" SET "next_span_sequence_id" = "next_span_sequence_id" + %s '
+            f'WHERE "id" = %s AND "project_id" = %s{f" AND {KEY_LIVE_SQL}" if key_checked else ""} '
+            'RETURNING "next_span_sequence_id" - %s')
