@@ -416,8 +416,7 @@ def _export_common(project: Project, spans: Sequence[dict[str, Any]], now: datet
     """An OTLP export of one attempt's spans in one statement run in autocommit (also
     `span_add_lean`'s): the statement's row (the rollout's status, spans inserted, heartbeats
     written, the first sequence id given to spans without one); None, having written
-    nothing, when the full path
-    must answer: the attempt is unknown (or another project's), or unresponsive (its revival
+    nothing, when the full path must answer: the attempt is unknown (or another project's), or unresponsive (its revival
     records the watchdog's verdict), or its rollout's config sets a limit beyond 1e8 s (a
     deadline is computed in Python then, which has its own overflow rule).
 
@@ -565,6 +564,6 @@ def span_next_sequence_id(
 @functools.cache
 def _next_sequence_sql(key_checked: bool) -> str:
     table = Rollout._meta.db_table
+    key = f" AND {KEY_LIVE_SQL}" if key_checked else ""
     return (f'UPDATE "{table}" SET "next_span_sequence_id" = "next_span_sequence_id" + %s '
-            f'WHERE "id" = %s AND "project_id" = %s{f" AND {KEY_LIVE_SQL}" if key_checked else ""} '
-            'RETURNING "next_span_sequence_id" - %s')
+            f'WHERE "id" = %s AND "project_id" = %s{key} RETURNING "next_span_sequence_id" - %s')
