@@ -416,9 +416,10 @@ def _export_common(project: Project, spans: Sequence[dict[str, Any]], now: datet
     """An OTLP export of one attempt's spans in one statement run in autocommit (also
     `span_add_lean`'s): the statement's row (the rollout's status, spans inserted, heartbeats
     written, the first sequence id given to spans without one); None, having written
-    nothing, when the full path must answer: the attempt is unknown (or another project's), or unresponsive (its revival
-    records the watchdog's verdict), or its rollout's config sets a limit beyond 1e8 s (a
-    deadline is computed in Python then, which has its own overflow rule).
+    nothing, when the full path must answer: the attempt is unknown (or another project's),
+    or unresponsive (its revival records the watchdog's verdict), or its rollout's config
+    sets a limit beyond 1e8 s (a deadline is computed in Python then, which has its own
+    overflow rule).
 
     The statement does what `_ingest` does, in the same lock order: it locks the attempt
     (FOR NO KEY UPDATE, read as it is once locked), writes its heartbeat when due (preparing
