@@ -33,7 +33,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -52,8 +51,9 @@ import httpx  # noqa: E402
 import openai  # noqa: E402
 from django.conf import settings  # noqa: E402
 
-from bench import llm_fairness, llm_peer  # noqa: E402
+from bench import llm_common, llm_fairness, llm_peer  # noqa: E402
 from bench.benchdb import empty_bench_database  # noqa: E402
+from bench.llm_common import pct  # noqa: E402
 from examples.llm_cipher.model import base_checkpoint  # noqa: E402
 from store import services  # noqa: E402
 from store.models import Span  # noqa: E402
@@ -67,31 +67,8 @@ SESSIONS = 16
 MESSAGES = [{"role": "user", "content": "abc 7"}]
 
 
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
-
-
 def run_sessions(call, per_session: int) -> tuple[list[float], float]:
-    latencies: list[float] = []
-    lock = threading.Lock()
-
-    def session(i: int) -> None:
-        mine = []
-        for j in range(per_session):
-            t = time.perf_counter()
-            call(i, j)
-            mine.append(time.perf_counter() - t)
-        with lock:
-            latencies.extend(mine)
-
-    threads = [threading.Thread(target=session, args=(i,)) for i in range(SESSIONS)]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return latencies, time.perf_counter() - start
+    return llm_common.run_sessions(call, per_session, SESSIONS)
 
 
 def overhead(requests: int, max_tokens: int) -> None:
