@@ -198,3 +198,33 @@ def test_the_engine_runs_a_prompt_prefix_shared_by_the_batch_once(tiny, monkeypa
     for a, b in zip(shared, alone, strict=True):
         assert a.token_ids == b.token_ids
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def test_a_later_prompt_starts_from_an_earlier_prompts_prefix(tiny, monkeypatch):
+    """Prefix caching: a prompt that begins with ids an earlier prompt had (an agent's system
+    prompt and examples, sent again with each call) starts from their stored keys and values,
+    and decodes the same tokens and log-probabilities as computed in full."""
+    from trainer.llm import decoding
+
+    engine = Engine(tiny, device="cpu")
+    prefix = "abc 123 def 456 ghi 789 jab 012 cde 345 "
+
+    def alone(text):
+        seq = Sequence_(engine.tokenizer(text)["input_ids"],
+                        Params(max_tokens=6, temperature=0.7, seed=5, ignore_eos=True))
+        engine.generate([seq])
+        return seq
+
+    alone(prefix + "1")  # computed in full, remembered
+    assert decoding._PREFIXES[engine.model].ids == tuple(engine.tokenizer(prefix + "1")
+                                                         ["input_ids"])
+    calls = []
+    original = decoding.Prefix.cache
+    monkeypatch.setattr(decoding.Prefix, "cache",
+                        lambda self, *a: calls.append(a) or original(self, *a))
+    cached = alone(prefix + "22")
+    assert calls == [(len(prefix), 1)]
+    monkeypatch.setattr(decoding, "SHARED_MIN", 10**6)
+    full = alone(prefix + "22")
+    assert cached.token_ids == full.token_ids
+    assert cached.logprobs == pytest.approx(full.logprobs, abs=1e-4)

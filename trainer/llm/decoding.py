@@ -16,6 +16,7 @@ A failure in sampling one row (`Failure`) ends only that row; a failed forward p
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -61,15 +62,22 @@ class Decoding:
             row.generator = sampling.generator(row.seq.params.seed, row.seq.index)
             row.seq.logprobs_of = f"{sampling.SAMPLED}:{engine.dtype_name}"
         self.rows = list(rows)
-        shared = shared_prefix(rows)
+        known = _PREFIXES.get(engine.model)
+        reused = known.usable(rows) if known is not None else 0
+        shared = reused or shared_prefix(rows)
         ids, mask = _prompt_rows(rows, shared, engine.pad_id, engine.device)
         positions, cache = (mask.cumsum(-1) - 1).clamp(min=0), None
-        if shared:  # the prefix every prompt starts with, once; its cache repeated per row
+        if reused:  # an earlier prompt's prefix, already computed (prefix caching)
+            cache = known.cache(reused, len(rows))
+        elif shared:  # the prefix every prompt starts with, once; its cache repeated per row
             self.rows = rows[:1]
             self._forward(ids[:1, :shared], mask[:1, :shared], positions[:1, :shared], None)
             self.rows, cache = list(rows), self.cache
+            Prefix.remember(engine.model, rows[0], shared, cache)
             cache.batch_repeat_interleave(len(rows))
         logits = self._forward(ids[:, shared:], mask, positions[:, shared:], cache)
+        if not shared and len(rows) == 1 and len(rows[0].seq.prompt_ids) > SHARED_MIN:
+            Prefix.remember(engine.model, rows[0], len(rows[0].seq.prompt_ids), self.cache)
         self.attention = mask
         return self, self._sample(logits)
 
@@ -166,6 +174,54 @@ class Decoding:
 # A prefix of at least this many ids common to every prompt starting together runs once (an
 # agent's system prompt, tools and worked examples: most of each prompt).
 SHARED_MIN = 32
+
+
+@dataclass
+class Prefix:
+    """The keys and values of one prompt prefix (batch size 1), to start later prompts that
+    begin with the same ids from (an agent sends the same system prompt, tools and examples
+    with every call): per model object (a new checkpoint version is a new one) and adapter."""
+
+    adapter: str | None
+    ids: tuple[int, ...]
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+
+    @staticmethod
+    def remember(model: Any, row: Row, length: int, cache: Any) -> None:
+        """Keep `row`'s first `length` prompt ids' keys and values for `model` (plain caches
+        only: a sliding-window or quantized one is not reused)."""
+        from transformers.cache_utils import DynamicLayer
+
+        layers = getattr(cache, "layers", None)
+        if layers and all(type(layer) is DynamicLayer for layer in layers):
+            _PREFIXES[model] = Prefix(
+                row.adapter, tuple(row.seq.prompt_ids[:length]),
+                [(layer.keys[:1, :, :length].clone(), layer.values[:1, :, :length].clone())
+                 for layer in layers])
+
+    def usable(self, rows: list[Row]) -> int:
+        """How many of these ids every row's prompt starts with (0 under SHARED_MIN or on
+        another adapter); each row keeps one id of its own."""
+        if any(r.adapter != self.adapter for r in rows):
+            return 0
+        k = min(len(self.ids), *(len(r.seq.prompt_ids) - 1 for r in rows))
+        for r in rows:
+            prompt = r.seq.prompt_ids
+            k = next((i for i in range(k) if prompt[i] != self.ids[i]), k)
+        return k if k >= SHARED_MIN else 0
+
+    def cache(self, length: int, rows: int) -> Any:
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        for index, (keys, values) in enumerate(self.layers):
+            cache.update(keys[:, :, :length].repeat_interleave(rows, 0),
+                         values[:, :, :length].repeat_interleave(rows, 0), index)
+        return cache
+
+
+# The last prefix computed per model (weakly held: it goes with the model).
+_PREFIXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def shared_prefix(rows: list[Row]) -> int:
