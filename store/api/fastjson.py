@@ -212,18 +212,29 @@ def _validated(fields: Any, data: dict) -> dict | None:
     return out
 
 
-def dequeue(headers: dict[bytes, bytes], path: str, body: bytes) -> Answer | None:
-    """DequeueRolloutsView's answer, or None: let Django answer."""
-    key = _key(headers, path, body, _DEQUEUE_ROLES)
+def _checked(headers: dict[bytes, bytes], path: str, body: bytes, roles: frozenset,
+             check: Callable[[dict], Any]) -> tuple[LeanKey, Any] | None:
+    """The key and the body as `check` validates it (None from it: not ours), once the
+    project's sweep ran: what every lean route does before its service call; None lets
+    Django answer."""
+    key = _key(headers, path, body, roles)
     if key is None:
         return None
     payload = _object(body)
-    data = None if payload is None else _validated(_DEQUEUE_FIELDS, payload)
-    if data is None:
+    data = None if payload is None else check(payload)
+    if data is None or not _swept(key.project.pk):
         return None
+    return key, data
+
+
+def dequeue(headers: dict[bytes, bytes], path: str, body: bytes) -> Answer | None:
+    """DequeueRolloutsView's answer, or None: let Django answer."""
+    checked = _checked(headers, path, body, _DEQUEUE_ROLES,
+                       lambda payload: _validated(_DEQUEUE_FIELDS, payload))
+    if checked is None:
+        return None
+    key, data = checked
     project = key.project
-    if not _swept(project.pk):
-        return None
     claimed = []
     if data["limit"] <= 0:
         try:
@@ -262,21 +273,20 @@ def dequeue(headers: dict[bytes, bytes], path: str, body: bytes) -> Answer | Non
     )
 
 
+def _update_fields(payload: dict) -> dict | None:
+    if any(name in payload and payload[name] is None for name in _REFUSED_NULLS):
+        return None
+    return _validated(_UPDATE_FIELDS, payload)
+
+
 def update_attempt(headers: dict[bytes, bytes], path: str, body: bytes) -> Answer | None:
     """UpdateAttemptView's answer, or None: let Django answer."""
-    key = _key(headers, path, body, _ATTEMPT_ROLES)
-    if key is None:
+    checked = _checked(headers, path, body, _ATTEMPT_ROLES, _update_fields)
+    if checked is None:
         return None
-    payload = _object(body)
-    if payload is None or any(name in payload and payload[name] is None for name in _REFUSED_NULLS):
-        return None
-    data = _validated(_UPDATE_FIELDS, payload)
-    if data is None:
-        return None
+    key, data = checked
     rollout_id, _, attempt_id = path[len(_ROLLOUTS_PREFIX) :].split("/")
     project = key.project
-    if not _swept(project.pk):
-        return None
     try:
         attempt = services.attempt_update(
             project=project, rollout_id=rollout_id, attempt_id=attempt_id,
@@ -300,16 +310,12 @@ def next_span_sequence_id(headers: dict[bytes, bytes], path: str, body: bytes
                           ) -> Answer | None:
     """NextSpanSequenceIdView's answer, or None: let Django answer. One UPDATE in
     autocommit, which checks the key too (`services.span_next_sequence_id`)."""
-    key = _key(headers, path, body, _NEXT_SPAN_ROLES)
-    if key is None:
+    checked = _checked(headers, path, body, _NEXT_SPAN_ROLES,
+                       lambda payload: _validated(_NEXT_SPAN_FIELDS, payload))
+    if checked is None:
         return None
-    payload = _object(body)
-    data = None if payload is None else _validated(_NEXT_SPAN_FIELDS, payload)
-    if data is None:
-        return None
+    key, data = checked
     project = key.project
-    if not _swept(project.pk):
-        return None
     try:
         sequence_id = services.span_next_sequence_id(
             project=project, live_key=key.live_check, **data
@@ -322,22 +328,21 @@ def next_span_sequence_id(headers: dict[bytes, bytes], path: str, body: bytes
                    lambda: (_NEXT_SPAN.to_representation({"sequence_id": sequence_id}), set()))
 
 
+def _span_field(payload: dict) -> Any:
+    try:
+        return s.SpanField().run_validation(payload)  # AddSpanView's check
+    except Exception:
+        return None
+
+
 def add_span(headers: dict[bytes, bytes], path: str, body: bytes) -> Answer | None:
     """AddSpanView's answer (201: the stored span, or `null` for a duplicate), or None: let
     Django answer. The OTLP export's one statement (`services.span_add_lean`)."""
-    key = _key(headers, path, body, _SPANS_ROLES)
-    if key is None:
+    checked = _checked(headers, path, body, _SPANS_ROLES, _span_field)
+    if checked is None:
         return None
-    payload = _object(body)
-    if payload is None:
-        return None
-    try:
-        span = s.SpanField().run_validation(payload)  # AddSpanView's check
-    except Exception:
-        return None
+    key, span = checked
     project = key.project
-    if not _swept(project.pk):
-        return None
     try:
         ingested = services.span_add_lean(project=project, span=span, live_key=key.live_check)
     except Exception:
