@@ -1,4 +1,5 @@
-"""Ids in Agent Lightning 0.3's formats."""
+"""Ids in Agent Lightning 0.3's formats (an attempt's: store/rules.py, one generator for the
+services and the claim's statement)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,6 @@ import secrets
 
 def new_rollout_id() -> str:
     return "ro-" + secrets.token_hex(6)
-
-
-def new_attempt_id() -> str:
-    return "at-" + secrets.token_hex(4)
 
 
 def new_resources_id() -> str:

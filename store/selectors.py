@@ -24,7 +24,7 @@ from store.models import (
     UsageEntry,
     Worker,
 )
-from store.statemachine import ROLLOUT_TERMINAL, AttemptStatus
+from store.statemachine import ROLLOUT_TERMINAL, AttemptStatus, RolloutStatus
 
 T = TypeVar("T")
 
@@ -351,7 +351,7 @@ def claims_held_by(*, project: Project, worker_id: str, since: datetime,
 def rollout_cancelled_ids(*, project: Project, rollout_ids: Sequence[str]) -> set[str]:
     """Which of these rollouts were cancelled (runners learn it from their next report)."""
     return {pk for pk, status in _of_project(project, rollout_ids, "pk", "status")
-            if status == "cancelled"}
+            if status == RolloutStatus.CANCELLED}
 
 
 def _of_project(project: Project, rollout_ids: Sequence[str], *fields: str) -> list[tuple]:

@@ -12,59 +12,29 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from django.db import models
-
+from store import rules
 from store.errors import InvalidInput
-
-
-class RolloutStatus(models.TextChoices):
-    QUEUING = "queuing"
-    PREPARING = "preparing"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-    REQUEUING = "requeuing"
-
-
-class AttemptStatus(models.TextChoices):
-    PREPARING = "preparing"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    TIMEOUT = "timeout"
-    UNRESPONSIVE = "unresponsive"
-
-
-class WorkerStatus(models.TextChoices):
-    IDLE = "idle"
-    BUSY = "busy"
-    UNKNOWN = "unknown"
-
-
-class RolloutMode(models.TextChoices):
-    TRAIN = "train"
-    VAL = "val"
-    TEST = "test"
-
-
-QUEUED = (RolloutStatus.QUEUING, RolloutStatus.REQUEUING)
-ROLLOUT_TERMINAL = frozenset(
-    {RolloutStatus.SUCCEEDED, RolloutStatus.FAILED, RolloutStatus.CANCELLED}
+from store.rules import MAX_LIMIT_SECONDS
+from store.statuses import (
+    ATTEMPT_ENDED,
+    ATTEMPT_FINAL,
+    ATTEMPT_LIVE,
+    ATTEMPT_LOST,
+    QUEUED,
+    ROLLOUT_ACTIVE,
+    ROLLOUT_TERMINAL,
+    AttemptStatus,
+    RolloutMode,
+    RolloutStatus,
+    WorkerStatus,
 )
-ROLLOUT_ACTIVE = (RolloutStatus.PREPARING, RolloutStatus.RUNNING)
-ATTEMPT_LIVE = (AttemptStatus.PREPARING, AttemptStatus.RUNNING)
-# A runner's own verdict: once given it is final.
-ATTEMPT_FINAL = frozenset({AttemptStatus.SUCCEEDED, AttemptStatus.FAILED})
-# The watchdog's verdicts; a runner's late report may still overwrite them.
-ATTEMPT_LOST = frozenset({AttemptStatus.TIMEOUT, AttemptStatus.UNRESPONSIVE})
-ATTEMPT_ENDED = ATTEMPT_FINAL | {AttemptStatus.TIMEOUT}
 
-
-# The longest limit (seconds) a rollout may set: about a century. Beyond it a deadline may not
-# fit a datetime (Python's, or psycopg's reading of Postgres's), so every path that computes one
-# (the claim's SQL, the export's, the services') can rely on it; the REST serializers use it too.
-MAX_LIMIT_SECONDS = 3.2e9
+__all__ = [
+    "ATTEMPT_ENDED", "ATTEMPT_FINAL", "ATTEMPT_LIVE", "ATTEMPT_LOST", "MAX_LIMIT_SECONDS",
+    "QUEUED", "ROLLOUT_ACTIVE", "ROLLOUT_TERMINAL", "AttemptStatus", "RolloutConfig",
+    "RolloutMode", "RolloutStatus", "WorkerStatus", "check_attempt_transition",
+    "check_limit_seconds", "check_rollout_transition", "rollout_status_for_attempt",
+]
 
 
 @dataclass(frozen=True)
@@ -127,12 +97,10 @@ def check_limit_seconds(value: Any, name: str) -> None:
 def rollout_status_for_attempt(
     attempt_status: str, sequence_id: int, config: RolloutConfig
 ) -> str:
-    """What a rollout becomes when its latest attempt reaches `attempt_status`."""
-    if attempt_status in (AttemptStatus.PREPARING, AttemptStatus.RUNNING, AttemptStatus.SUCCEEDED):
-        return attempt_status
-    if attempt_status in config.retry_condition and sequence_id < config.max_attempts:
-        return RolloutStatus.REQUEUING
-    return RolloutStatus.FAILED
+    """What a rollout becomes when its latest attempt reaches `attempt_status`
+    (rules.ROLLOUT_FOR_ATTEMPT, with the retry rule)."""
+    return rules.ROLLOUT_FOR_ATTEMPT.python(attempt_status, sequence_id, config.retry_condition,
+                                            config.max_attempts)
 
 
 def check_attempt_transition(current: str, requested: str) -> bool:

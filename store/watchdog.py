@@ -15,20 +15,19 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
-from store import wakeups
+from store import rules, wakeups
 from store.models import Attempt, Rollout
+from store.rules import first_report_seconds
 from store.services._bulk import bulk_set
 from store.services._common import (
     ROLLOUT_FOLLOW_FIELDS,
     attempt_deadline,
-    first_report_seconds,
     follow_latest_attempt,
     set_attempt_status,
     worker_sync_for_attempts,
 )
 from store.services.groups import rollouts_finished
 from store.statemachine import (
-    ATTEMPT_LIVE,
     QUEUED,
     ROLLOUT_TERMINAL,
     AttemptStatus,
@@ -104,18 +103,13 @@ def _anything_due(project_id: int, now: datetime) -> bool:
         return bool(cursor.fetchone()[0])
 
 
-def _in(values) -> str:  # noqa: ANN001 - status names (fixed, ours), as an SQL list
-    return ", ".join(f"'{value}'" for value in sorted(values))
-
-
 _DUE_SQL = f"""
     SELECT EXISTS (
         SELECT 1 FROM store_attempt a JOIN store_rollout r ON r.id = a.rollout_id
-        WHERE r.project_id = %s AND a.status IN ({_in(ATTEMPT_LIVE)})
-          AND a.deadline IS NOT NULL AND a.deadline <= %s
+        WHERE r.project_id = %s AND {rules.ATTEMPT_OVERDUE.sql("a.status", "a.deadline", "%s")}
     ) OR EXISTS (
-        SELECT 1 FROM store_rollout WHERE project_id = %s AND status IN ({_in(QUEUED)})
-          AND queue_deadline IS NOT NULL AND queue_deadline <= %s
+        SELECT 1 FROM store_rollout WHERE project_id = %s
+          AND {rules.QUEUE_EXPIRED.sql("status", "queue_deadline", "%s")}
     )
 """
 
@@ -124,7 +118,7 @@ def _sweep_attempts(now: datetime, batch_size: int, result: SweepResult,
                     project_id: int | None = None) -> int:
     with transaction.atomic():
         # Served by the partial index attempt_live_deadline.
-        due = Attempt.objects.filter(status__in=ATTEMPT_LIVE, deadline__lte=now)
+        due = Attempt.objects.filter(rules.ATTEMPT_OVERDUE.q(now))
         if project_id is not None:
             due = due.filter(rollout__project_id=project_id)
         attempts = list(
@@ -147,8 +141,8 @@ def _sweep_attempts(now: datetime, batch_size: int, result: SweepResult,
             if verdict is None:
                 continue
             set_attempt_status(attempt, verdict, now)
-            attempt.metadata = {**(attempt.metadata or {}),
-                                "error": verdict_error(attempt, verdict, config, now)}
+            attempt.metadata = rules.ERROR_MERGE.python(
+                attempt.metadata, verdict_error(attempt, verdict, config, now))
             lost.append(attempt)
             key = f"{attempt.rollout_id}/{attempt.attempt_id}"
             timed_out = verdict == AttemptStatus.TIMEOUT
@@ -214,9 +208,7 @@ def _expire_queue_waits(now: datetime, batch_size: int, result: SweepResult,
                         project_id: int | None = None) -> int:
     with transaction.atomic():
         # Served by the partial index rollout_queue_deadline.
-        due = Rollout.objects.filter(
-            status__in=QUEUED, queue_deadline__isnull=False, queue_deadline__lte=now
-        )
+        due = Rollout.objects.filter(rules.QUEUE_EXPIRED.q(now))
         if project_id is not None:
             due = due.filter(project_id=project_id)
         rollouts = list(

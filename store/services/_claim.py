@@ -10,14 +10,13 @@ import functools
 from datetime import datetime
 
 from django.db import connection
-from django.db.models import Q
 
-from store.ids import new_attempt_id
+from store import rules
 from store.models import Attempt, Project, Rollout
 from store.services._bulk import bulk_set
-from store.services._common import attempt_deadline, first_report_seconds, worker_mark_dequeued
+from store.services._common import attempt_deadline, worker_mark_dequeued
 from store.services._rows import KEY_LIVE_SQL_NAMED, LiveKey, require_key_live, row_instance
-from store.statemachine import QUEUED, AttemptStatus, RolloutConfig, RolloutStatus
+from store.statemachine import AttemptStatus, RolloutConfig, RolloutStatus
 
 # How long a named claim waits for its rollout's row lock (see _claim_sql).
 NAMED_CLAIM_LOCK_WAIT_MS = 5000
@@ -51,9 +50,7 @@ def claim_queued(
 
 
 def _queued(project: Project, now: datetime, rollout_id: str | None):
-    qs = Rollout.objects.filter(project=project, status__in=QUEUED).filter(
-        Q(queue_deadline__isnull=True) | Q(queue_deadline__gt=now)
-    )
+    qs = Rollout.objects.filter(rules.CLAIMABLE.q(now), project=project)
     return qs.filter(pk=rollout_id) if rollout_id else qs
 
 
@@ -61,7 +58,7 @@ def new_attempt(rollout: Rollout, worker_id: str | None, now: datetime) -> Attem
     config = RolloutConfig.parse(rollout.config)
     return Attempt(
         rollout=rollout,
-        attempt_id=new_attempt_id(),
+        attempt_id=rules.new_attempt_id(),
         sequence_id=rollout.attempt_count + 1,
         status=AttemptStatus.PREPARING,
         worker_id=worker_id,
@@ -93,18 +90,16 @@ def _claim_orm(project, worker_id, limit, now, rollout_id) -> list[tuple[Rollout
     return list(zip(rollouts, attempts, strict=True))
 
 
-# The deadline rule of _common.attempt_deadline, in SQL: the earliest of the timeout, the
-# unresponsive limit and the first-report window, counted from the start (LEAST skips NULLs).
-_DEADLINE_SQL = (
-    "LEAST(%(now)s + make_interval(secs => (p.config->>'timeout_seconds')::float8), "
-    "%(now)s + make_interval(secs => (p.config->>'unresponsive_seconds')::float8), "
-    "%(now)s + make_interval(secs => %(first_report)s::float8))"
-)
+# rules.DEADLINE of an attempt claimed now, which never reported.
+_DEADLINE_SQL = rules.DEADLINE.sql(
+    "%(now)s", "NULL::timestamptz", rules.config_seconds_sql("p.config", "timeout_seconds"),
+    rules.config_seconds_sql("p.config", "unresponsive_seconds"), "%(first_report)s::float8")
 
 
 # worker_mark_dequeued in SQL, as the last clause of the claim: the worker is busy with the
-# last rollout claimed (lowest priority, then newest), or idle when none was claimed.
-_WORKER_SQL = """
+# last rollout claimed (lowest priority, then newest), or idle when none was claimed
+# (rules.WORKER_AFTER_CLAIM).
+_WORKER_SQL = f"""
     , last AS (
         SELECT ins.rollout_id, ins.attempt_id FROM ins JOIN picked p ON p.id = ins.rollout_id
         ORDER BY p.priority, p.enqueue_time DESC LIMIT 1
@@ -113,7 +108,7 @@ _WORKER_SQL = """
             last_heartbeat_time, last_dequeue_time, last_busy_time, last_idle_time,
             current_rollout_id, current_attempt_id)
         SELECT %(project)s, %(worker)s,
-            CASE WHEN last.rollout_id IS NULL THEN 'idle' ELSE 'busy' END, NULL, NULL,
+            {rules.WORKER_AFTER_CLAIM.sql("last.rollout_id IS NOT NULL")}, NULL, NULL,
             %(now)s, CASE WHEN last.rollout_id IS NULL THEN NULL ELSE %(now)s END,
             CASE WHEN last.rollout_id IS NULL THEN %(now)s END,
             last.rollout_id, last.attempt_id
@@ -133,7 +128,8 @@ def _claim_sql(project, worker_id, limit, now, rollout_id, idle_if_none, live_ke
                ) -> list[tuple[Rollout, Attempt]]:
     sql, defaults = _claim_statement(bool(rollout_id), bool(worker_id), live_key is not None)
     params = {**defaults, "project": project.pk, "now": now, "worker": worker_id,
-              "first_report": first_report_seconds() or None,
+              "first_report": rules.first_report_seconds(),
+              "ids": [rules.new_attempt_id() for _ in range(limit)],
               "limit": limit, "rid": rollout_id, "idle_if_none": idle_if_none,
               "key": live_key and live_key[0], "key_role": live_key and live_key[1]}
     with connection.cursor() as cursor:
@@ -172,10 +168,9 @@ def _claim_statement(only_named: bool, with_worker: bool, key_checked: bool = Fa
     it claims and records nothing unless the key `%(key)s` is live (`KEY_LIVE_SQL_NAMED`)."""
     given = {
         "rollout_id": "p.id",
-        "attempt_id": "'at-' || substr(md5(random()::text || clock_timestamp()::text || p.id),"
-                      " 1, 8)",
+        "attempt_id": rules.ATTEMPT_ID.sql("%(ids)s", "p.n"),
         "sequence_id": "p.attempt_count + 1",
-        "status": f"'{AttemptStatus.PREPARING}'",
+        "status": rules.literal(AttemptStatus.PREPARING),
         "worker_id": "%(worker)s::varchar",
         "start_time": "%(now)s",
         "deadline": _DEADLINE_SQL,
@@ -200,16 +195,18 @@ def _claim_statement(only_named: bool, with_worker: bool, key_checked: bool = Fa
     sql = f"""
         WITH picked AS (
             SELECT id, attempt_count, config, priority, enqueue_time FROM store_rollout
-            WHERE project_id = %(project)s AND status IN ('queuing', 'requeuing')
-              AND (queue_deadline IS NULL OR queue_deadline > %(now)s) {only} {live}
+            WHERE project_id = %(project)s
+              AND {rules.CLAIMABLE.sql("status", "queue_deadline", "%(now)s")} {only} {live}
             ORDER BY priority DESC, enqueue_time LIMIT %(limit)s
             FOR UPDATE {"" if only_named else "SKIP LOCKED"}
         ), ins AS (
             INSERT INTO store_attempt ({", ".join(columns)})
-            SELECT {", ".join(values)} FROM picked p
+            SELECT {", ".join(values)}
+            FROM (SELECT picked.*, row_number() OVER () AS n FROM picked) p
             RETURNING id, rollout_id, attempt_id, sequence_id, deadline
         ), upd AS (
-            UPDATE store_rollout r SET status = 'preparing', latest_attempt_id = ins.id,
+            UPDATE store_rollout r SET status = {rules.literal(RolloutStatus.PREPARING)},
+                latest_attempt_id = ins.id,
                 attempt_count = ins.sequence_id, queue_deadline = NULL
             FROM ins WHERE r.id = ins.rollout_id
             RETURNING r.*

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import datetime
 
-from django.conf import settings
 from django.db import connection
 from django.db.models import F, Q
 
+from store import rules
 from store.errors import NotFound
 from store.models import Attempt, Project, Rollout, Worker
 from store.services._bulk import Write, write_together
@@ -27,39 +27,13 @@ from store.statemachine import (
 def attempt_deadline(
     config: RolloutConfig, start: datetime, heartbeat: datetime | None
 ) -> datetime | None:
-    """When the watchdog must next look at a live attempt (None: never). An attempt that has
-    not reported yet (`heartbeat` None) also has STORE_FIRST_REPORT_SECONDS from its claim."""
-    candidates = []
-    if config.timeout_seconds:
-        candidates.append(_after(start, config.timeout_seconds))
-    if config.unresponsive_seconds:
-        candidates.append(_after(heartbeat or start, config.unresponsive_seconds))
-    if heartbeat is None and first_report_seconds():
-        candidates.append(_after(start, first_report_seconds()))
-    candidates = [c for c in candidates if c is not None]
-    return min(candidates) if candidates else None
-
-
-def first_report_seconds() -> float:
-    """How long a claimed attempt may go without any report (heartbeat, status or span)
-    before the watchdog calls it unresponsive, whatever its config: a dequeue answer lost on
-    the way or a runner killed right after its claim never strand a rollout. 0: no bound."""
-    return settings.STORE_FIRST_REPORT_SECONDS
-
-
-def _after(base: datetime, seconds: float) -> datetime | None:
-    """`base` plus `seconds`; None (never) past the last representable date (a runner's
-    heartbeat dated in year 9999 plus a long limit)."""
-    try:
-        return base + timedelta(seconds=seconds)
-    except OverflowError:
-        return None
+    """rules.DEADLINE for a live attempt of a rollout with this config."""
+    return rules.DEADLINE.python(start, heartbeat, config.timeout_seconds,
+                                 config.unresponsive_seconds, rules.first_report_seconds())
 
 
 def queue_deadline(rollout: Rollout, now: datetime) -> datetime | None:
-    if rollout.queue_timeout_seconds:
-        return _after(now, rollout.queue_timeout_seconds)
-    return None
+    return rules.after(now, rollout.queue_timeout_seconds)
 
 
 def set_attempt_status(attempt: Attempt, status: str, now: datetime) -> None:
@@ -83,7 +57,7 @@ def follow_latest_attempt(rollout: Rollout, attempt: Attempt, now: datetime) -> 
     Terminal rollouts stay terminal, and an attempt that is no longer the latest changes
     nothing but itself.
     """
-    if rollout.latest_attempt_id != attempt.pk or rollout.status in ROLLOUT_TERMINAL:
+    if not rules.FOLLOWS.python(rollout.status, rollout.latest_attempt_id, attempt.pk):
         return False
     config = RolloutConfig.parse(rollout.config)
     new = rollout_status_for_attempt(attempt.status, attempt.sequence_id, config)
@@ -114,13 +88,12 @@ def worker_writes_for_attempts(
     for attempt in attempts:
         if not attempt.worker_id:
             continue
-        worker = Worker(project_id=project_id, worker_id=attempt.worker_id)
-        if attempt.status in (AttemptStatus.SUCCEEDED, AttemptStatus.FAILED):
-            worker.status, worker.last_idle_time = WorkerStatus.IDLE, now
-        elif attempt.status in ATTEMPT_LOST:
-            worker.status = WorkerStatus.UNKNOWN
-        else:
-            worker.status, worker.last_busy_time = WorkerStatus.BUSY, now
+        worker = Worker(project_id=project_id, worker_id=attempt.worker_id,
+                        status=rules.WORKER_FOR_ATTEMPT.python(attempt.status))
+        if worker.status == WorkerStatus.IDLE:
+            worker.last_idle_time = now
+        elif worker.status == WorkerStatus.BUSY:
+            worker.last_busy_time = now
             worker.current_rollout_id = attempt.rollout_id
             worker.current_attempt_id = attempt.attempt_id
         rows[attempt.worker_id] = worker
@@ -130,13 +103,14 @@ def worker_writes_for_attempts(
 def worker_mark_dequeued(
     project_id: int, worker_id: str, claimed: list[Attempt], now: datetime
 ) -> None:
-    worker = Worker(project_id=project_id, worker_id=worker_id, last_dequeue_time=now)
+    worker = Worker(project_id=project_id, worker_id=worker_id, last_dequeue_time=now,
+                    status=rules.WORKER_AFTER_CLAIM.python(bool(claimed)))
     if claimed:
         last = claimed[-1]
-        worker.status, worker.last_busy_time = WorkerStatus.BUSY, now
+        worker.last_busy_time = now
         worker.current_rollout_id, worker.current_attempt_id = last.rollout_id, last.attempt_id
     else:
-        worker.status, worker.last_idle_time = WorkerStatus.IDLE, now
+        worker.last_idle_time = now
     write_together(_worker_upserts([worker], extra=["last_dequeue_time"]))
 
 

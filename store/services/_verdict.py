@@ -34,17 +34,14 @@ from datetime import datetime
 from django.conf import settings
 from django.db import connection
 
-from store import hooks, wakeups
+from store import hooks, rules, wakeups
 from store.models import Attempt, Project, Worker
 from store.services._ledger import Usage, cost_sql, fixed_cost, gateway_tokens_sql
 from store.services._rows import KEY_LIVE_SQL, LiveKey, _columns, fetch_one_prepared, row_instance
-from store.services.groups import COMPLETED_NOW_SQL, completed_at_sql
 from store.statemachine import (
     ATTEMPT_FINAL,
     ATTEMPT_LIVE,
-    ROLLOUT_TERMINAL,
     AttemptStatus,
-    WorkerStatus,
 )
 
 
@@ -63,8 +60,8 @@ def finish(project: Project, rollout_id: str, attempt_id: str, status: str, now:
     nothing: the full path must answer."""
     usage = usage or Usage()
     params = [
-        rollout_id, attempt_id, project.pk, *ATTEMPT_LIVE, *(live_key or ()),  # a
-        status, now, *sorted(ROLLOUT_TERMINAL),  # r
+        rollout_id, attempt_id, project.pk, *(live_key or ()),  # a
+        status, now,  # r
         status, now, *([] if error is None else [error]),  # u
         *_worker_params(project.pk, now),  # w
         now,  # g
@@ -86,7 +83,8 @@ def finish(project: Project, rollout_id: str, attempt_id: str, status: str, now:
 
 # The worker upsert's values (`worker_writes_for_attempts` for a finished attempt: idle since
 # now, no current rollout); the other columns as a new row has them.
-_WORKER_GIVEN = {"project": "%s::bigint", "worker_id": "u.worker_id", "status": "%s::varchar",
+_WORKER_GIVEN = {"project": "%s::bigint", "worker_id": "u.worker_id",
+                 "status": rules.WORKER_FOR_ATTEMPT.sql("u.status"),
                  "last_idle_time": "%s::timestamptz"}
 
 
@@ -108,50 +106,51 @@ def _worker_insert() -> tuple[str, str, tuple[str, ...]]:
 
 
 def _worker_params(project_id: int, now: datetime) -> list:
-    value = {"project": project_id, "status": WorkerStatus.IDLE, "last_idle_time": now}
+    value = {"project": project_id, "last_idle_time": now}
     return [value[name] for name in _worker_insert()[2]]
-
-
-# A failed attempt's rollout is retried when its config says so (statemachine's
-# rollout_status_for_attempt, RolloutConfig's defaults): the statement leaves that to the full
-# path.
-_RETRIED = ("COALESCE(r.config->'retry_condition', '[]'::jsonb) @> '[\"failed\"]'::jsonb "
-            "AND a.sequence_id < COALESCE((r.config->>'max_attempts')::int, 1)")
-# `{**metadata, "error": error}` (an attempt's metadata is an object).
-_WITH_ERROR = ("CASE WHEN jsonb_typeof(t.metadata) = 'object' THEN t.metadata "
-               "ELSE '{}'::jsonb END || jsonb_build_object('error', %s::text)")
 
 
 @functools.cache
 def _sql(key_checked: bool, failed: bool, with_error: bool) -> str:
     worker_columns, worker_values, _ = _worker_insert()
+    verdict = rules.literal(AttemptStatus.FAILED if failed else AttemptStatus.SUCCEEDED)
+    # The rollout follows the attempt (rules.FOLLOWS) to the verdict itself; where it would
+    # go elsewhere (a failure its config retries: rules.ROLLOUT_FOR_ATTEMPT), the full path.
+    follows = (f"{rules.FOLLOWS.sql('r.status', 'r.latest_attempt_id', 'a.id')} AND "
+               f"{rules.ROLLOUT_FOR_ATTEMPT.sql(verdict, 'a.sequence_id', 'r.config')} "
+               f"= {verdict}")
+    rules.locks_in_order("attempt", "rollout", "worker", "group")  # a, r (u), w, g below
+    finished = rules.group_finished_sql("g.finished", "1")
+    merge = rules.ERROR_MERGE.sql("t.metadata", "%s")
+    completed_at = rules.group_completed_at_sql("g.finished", "g.total", "g.completed_at", "1",
+                                                "%s::timestamptz")
     return (
         # The attempt, locked, if it may move to a final status.
         "WITH a AS (SELECT a.id, a.rollout_id, a.sequence_id FROM store_attempt a "
         "JOIN store_rollout r ON r.id = a.rollout_id "
         "WHERE a.rollout_id = %s AND a.attempt_id = %s AND r.project_id + 0 = %s "
-        "AND a.status IN (%s, %s) "
+        f"AND a.status IN ({rules.literal(ATTEMPT_LIVE)}) "
         f"{f'AND {KEY_LIVE_SQL} ' if key_checked else ''}"
         "FOR NO KEY UPDATE OF a), "
         # The rollout follows its latest attempt, unless terminal.
         "r AS (UPDATE store_rollout r SET status = %s, end_time = %s::timestamptz FROM a "
-        "WHERE r.id = a.rollout_id AND r.latest_attempt_id = a.id "
-        f"AND r.status NOT IN (%s, %s, %s) {f'AND NOT ({_RETRIED}) ' if failed else ''}"
+        f"WHERE r.id = a.rollout_id AND {follows} "
         "RETURNING r.id, r.group_id), "
         "u AS (UPDATE store_attempt t SET status = %s, end_time = %s::timestamptz"
-        f"{f', metadata = {_WITH_ERROR}' if with_error else ''} "
+        f"{f', metadata = {merge}' if with_error else ''} "
         f"FROM a, r WHERE t.id = a.id RETURNING {_columns(Attempt, 't')}), "
         f"w AS (INSERT INTO store_worker ({worker_columns}) SELECT {worker_values} FROM u "
         "WHERE u.worker_id <> '' ON CONFLICT (project_id, worker_id) DO UPDATE SET "
         "status = EXCLUDED.status, last_idle_time = EXCLUDED.last_idle_time, "
         "current_rollout_id = NULL, current_attempt_id = NULL RETURNING 1), "
         # The group, after the worker (the one lock order): the scalar subquery runs w first.
-        "g AS (UPDATE store_rolloutgroup g SET finished = g.finished + 1, "
-        f"completed_at = {completed_at_sql('1')} "
+        f"g AS (UPDATE store_rolloutgroup g SET finished = {finished}, "
+        f"completed_at = {completed_at} "
         "FROM r WHERE g.id = r.group_id AND (SELECT count(*) FROM w) >= 0 "
         "RETURNING g.id, g.owner, g.finished, g.total, g.finished - 1 AS before), "
         "c AS (INSERT INTO store_groupcompletion (group_id, owner, created_at) "
-        f"SELECT id, owner, %s::timestamptz FROM g WHERE {COMPLETED_NOW_SQL} RETURNING owner), "
+        "SELECT id, owner, %s::timestamptz FROM g "
+        f"WHERE {rules.group_completed_now_sql('before', 'total', 'finished')} RETURNING owner), "
         # The ledger row (executed though nothing reads it: every data-modifying WITH runs).
         "l AS (INSERT INTO store_usageentry (project_id, kind, rollout_id, attempt_id, "
         "group_id, cpu_seconds, gpu_seconds, gpu_type, tokens, cost, created_at) "

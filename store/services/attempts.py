@@ -10,7 +10,7 @@ from typing import Any
 from django.db import connection, transaction
 from django.utils import timezone
 
-from store import hooks, wakeups
+from store import hooks, rules, wakeups
 from store.errors import IllegalTransition, InvalidInput, NotFound
 from store.models import Attempt, Project, Rollout
 from store.services import _ledger, _verdict
@@ -98,8 +98,9 @@ def attempt_finish(
 
 def attempt_update_many(*, project: Project, updates: Sequence[AttemptUpdate],
                         live_key: LiveKey | None = None) -> list[Attempt]:
-    """Apply runner reports in one transaction. Locks attempts, then their rollouts (the one
-    lock order every writer uses). A rollout follows its latest attempt unless terminal."""
+    """Apply runner reports in one transaction. Locks attempts, then their rollouts, then
+    workers, then groups (rules.LOCK_ORDER). A rollout follows its latest attempt unless
+    terminal."""
     for update in updates:
         if update.status is not None and update.status not in AttemptStatus.values:
             raise InvalidInput("status", f"must be one of {AttemptStatus.values}")
@@ -129,6 +130,7 @@ def attempt_update_many(*, project: Project, updates: Sequence[AttemptUpdate],
         notices = hooks.finished_notices(finished)
         if any(r.status in QUEUED for r in changed_rollouts.values()):
             notices.insert(0, (wakeups.QUEUED, project.pk))  # a failed attempt was requeued
+        rules.locks_in_order("attempt", "rollout", "worker", "group")  # the writes below
         # One round trip on Postgres for the attempts, their rollouts and their workers, and
         # the wake-ups (delivered at commit, as `wakeups.announce` would send them).
         last = wakeups.announce_statement(notices)
@@ -227,7 +229,7 @@ def _apply(update: AttemptUpdate, attempt: Attempt, rollout: Rollout, now: datet
     if moved:  # after the metadata, so that a replaced metadata keeps the watchdog's verdict
         set_attempt_status(attempt, update.status, now)
         if update.error is not None:
-            attempt.metadata = {**(attempt.metadata or {}), "error": update.error}
+            attempt.metadata = rules.ERROR_MERGE.python(attempt.metadata, update.error)
     if update.last_heartbeat_time is not None:
         attempt.last_heartbeat_time = update.last_heartbeat_time
     if attempt.status in ATTEMPT_LIVE and (moved or update.last_heartbeat_time is not None):

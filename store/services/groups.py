@@ -6,7 +6,7 @@ writer that makes rollouts terminal calls `rollouts_terminal` inside its transac
 finished == total writes a `GroupCompletion` row in the same transaction; its owner takes it
 with `group_completions_take` (deleting it: a compare-and-swap, so each event is acted on
 once, by whichever process gets there first, and consumed events leave no rows).
-Lock order: after attempts and rollouts, groups in id order.
+Lock order (rules.LOCK_ORDER): after attempts, rollouts and workers; groups in id order.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from django.db import connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
-from store import hooks
+from store import hooks, rules
 from store.models import GroupCompletion, Project, Rollout, RolloutGroup
 
 MAX_GROUP_KEY = 200
@@ -54,29 +54,21 @@ def rollouts_terminal(rollouts: Iterable[Rollout], delta: int = 1,
         transaction.on_commit(lambda: hooks.notify_groups_completed(owners), robust=True)
 
 
-def completed_at_sql(delta: str) -> str:
-    """A group's `completed_at` once `finished` moved by `delta` (an SQL expression; `g` is
-    the group's row): kept (or now, the parameter) when it is full, else NULL."""
-    return (f"CASE WHEN g.finished + {delta} >= g.total THEN "
-            "COALESCE(g.completed_at, %s::timestamptz) END")
-
-
-# Over the changed groups' rows (finished, total, and `before`, their count before the
-# change): the ones this change completed, which get a completion event.
-COMPLETED_NOW_SQL = "finished >= total AND before < total AND total > 0"
-
 # One statement: the counts in group id order (the lock order), and the completion rows of
-# the groups whose `finished` reached `total` with this change.
+# the groups whose `finished` reached `total` with this change (rules.GROUP_COUNT).
 _COUNT_SQL = f"""
 WITH changed AS (
     UPDATE store_rolloutgroup g
-    SET finished = GREATEST(g.finished + d.n, 0), completed_at = {completed_at_sql("d.n")}
+    SET finished = {rules.group_finished_sql("g.finished", "d.n")},
+        completed_at = {rules.group_completed_at_sql("g.finished", "g.total", "g.completed_at",
+                                                     "d.n", "%s::timestamptz")}
     FROM (SELECT * FROM unnest(%s::bigint[], %s::int[]) AS t(id, n) ORDER BY id) d
     WHERE g.id = d.id
     RETURNING g.id, g.owner, g.finished, g.total, g.finished - d.n AS before
 )
 INSERT INTO store_groupcompletion (group_id, owner, created_at)
-SELECT id, owner, %s::timestamptz FROM changed WHERE {COMPLETED_NOW_SQL}
+SELECT id, owner, %s::timestamptz FROM changed
+WHERE {rules.group_completed_now_sql("before", "total", "finished")}
 RETURNING group_id, owner
 """
 
@@ -95,14 +87,10 @@ def _count_orm(counts: Counter, delta: int, now: datetime) -> list[tuple[int, st
     completed = []
     groups = RolloutGroup.objects.select_for_update().filter(pk__in=counts).order_by("pk")
     for group in groups:
-        before = group.finished
-        group.finished = max(before + counts[group.pk] * delta, 0)
-        if group.finished >= group.total:
-            group.completed_at = group.completed_at or now
-        else:
-            group.completed_at = None
+        group.finished, group.completed_at, completed_now = rules.GROUP_COUNT.python(
+            group.finished, group.total, group.completed_at, counts[group.pk] * delta, now)
         group.save(update_fields=["finished", "completed_at"])
-        if group.total > 0 and before < group.total <= group.finished:
+        if completed_now:
             GroupCompletion.objects.create(group=group, owner=group.owner, created_at=now)
             completed.append((group.pk, group.owner))
     return completed

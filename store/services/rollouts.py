@@ -11,7 +11,7 @@ from django.conf import settings
 from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
-from store import hooks, wakeups
+from store import hooks, rules, wakeups
 from store.errors import FieldFrozen, InvalidInput, NotFound
 from store.ids import new_rollout_id
 from store.models import Attempt, Project, ResourceSet, Rollout, RolloutGroup
@@ -276,6 +276,7 @@ def attempt_start(
         attach([rollout], [attempt])
         # The worker before the group: the one lock order (a verdict of this worker on
         # another member of the group holds the worker and then takes the group).
+        rules.locks_in_order("rollout", "worker", "group")
         worker_sync_for_attempts(project.pk, [attempt], now)
         if reopened:
             rollouts_terminal([rollout], -1, now)  # its group waits for it again

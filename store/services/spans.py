@@ -9,7 +9,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from types import SimpleNamespace
 from typing import Any
 
@@ -19,6 +19,7 @@ from django.db.models.base import ModelState
 from django.utils import timezone
 from psycopg import errors as pg_errors
 
+from store import rules
 from store.errors import InvalidInput, NotFound, StoreError
 from store.models import Attempt, Project, Rollout, Span
 from store.services._bulk import Write, insert_new
@@ -34,10 +35,6 @@ from store.services._rows import (
 from store.statemachine import AttemptStatus, RolloutConfig, RolloutStatus
 from store.text import find_bad_text
 
-# A heartbeat rewrites its attempt at most this often; the watchdog's view of a busy attempt
-# is at most this stale, and a stream of spans costs one attempt write a second, not one each.
-HEARTBEAT_MIN_INTERVAL = timedelta(seconds=1)
-_REVIVABLE = (AttemptStatus.PREPARING, AttemptStatus.RUNNING, AttemptStatus.UNRESPONSIVE)
 _KNOWN = {
     "rollout_id", "attempt_id", "sequence_id", "trace_id", "span_id", "parent_id", "name",
     "status", "attributes", "events", "links", "start_time", "end_time", "context", "parent",
@@ -210,7 +207,7 @@ def _ingest(project: Project, spans: Sequence[dict[str, Any]], now: datetime,
         counted = _assign_sequence_ids(spans, attempts)
         rows = [_row(span, attempts[(span["rollout_id"], span["attempt_id"])]) for span in spans]
         due = _heartbeats_due(list(attempts.values()), now)
-        revived = [a for a in due if a.status in _REVIVABLE]
+        revived = [a for a in due if rules.REVIVES.python(a.status)]
         for attempt in due:
             # An ended attempt records the heartbeat too, and keeps its status (as in AGL).
             attempt.last_heartbeat_time = now
@@ -371,18 +368,11 @@ def _assign_sequence_ids(
 
 
 def _heartbeats_due(attempts: list[Attempt], now: datetime) -> list[Attempt]:
-    """AGL: a span is its attempt's heartbeat. preparing/unresponsive -> running; an attempt
-    that ended (succeeded, failed, timeout) records the time but keeps its status. An
-    attempt is rewritten at most once per HEARTBEAT_MIN_INTERVAL unless it is revived."""
-    due = []
-    for attempt in attempts:
-        last = attempt.last_heartbeat_time
-        revive = attempt.status in _REVIVABLE and attempt.status != AttemptStatus.RUNNING
-        # A time ahead of ours is a runner's clock (update_attempt stores it as sent): due.
-        if not revive and last and timedelta(0) <= now - last < HEARTBEAT_MIN_INTERVAL:
-            continue
-        due.append(attempt)
-    return due
+    """The attempts whose heartbeat is due (rules.HEARTBEAT_DUE): preparing/unresponsive ->
+    running; an attempt that ended (succeeded, failed, timeout) records the time but keeps
+    its status."""
+    return [a for a in attempts
+            if rules.HEARTBEAT_DUE.python(a.status, a.last_heartbeat_time, now)]
 
 
 def _rollouts_running(latest: list[Attempt]) -> list[Rollout]:
@@ -392,8 +382,8 @@ def _rollouts_running(latest: list[Attempt]) -> list[Rollout]:
     moved = []
     for attempt in latest:
         rollout = attempt.rollout
-        if (rollout.latest_attempt_id == attempt.pk and rollout not in moved
-                and rollout.status in (RolloutStatus.PREPARING, RolloutStatus.REQUEUING)):
+        if rollout not in moved and rules.HEARTBEAT_MOVES_ROLLOUT.python(
+                rollout.status, rollout.latest_attempt_id, attempt.pk):
             rollout.status = RolloutStatus.RUNNING
             rollout.queue_deadline = None
             moved.append(rollout)
@@ -418,12 +408,11 @@ def _export_common(project: Project, spans: Sequence[dict[str, Any]], now: datet
     written, the first sequence id given to spans without one); None, having written
     nothing, when the full path must answer: the attempt is unknown (or another project's),
     or unresponsive (its revival records the watchdog's verdict), or its rollout's config
-    sets a limit beyond 1e8 s (a deadline is computed in Python then, which has its own
-    overflow rule).
+    sets a limit beyond the bounds (rules.MAX_LIMIT_SECONDS: the full path refuses it).
 
     The statement does what `_ingest` does, in the same lock order: it locks the attempt
     (FOR NO KEY UPDATE, read as it is once locked), writes its heartbeat when due (preparing
-    or running -> running with a new deadline, `attempt_deadline` in SQL; an ended attempt
+    or running -> running with a new deadline, rules.DEADLINE; an ended attempt
     keeps its status and deadline), then the UPDATE that moves the rollout's sequence
     counter locks the rollout and moves it preparing/requeuing -> running when its latest
     attempt was revived, the spans are inserted (stored ones skipped), and the commit is
@@ -435,17 +424,10 @@ def _export_common(project: Project, spans: Sequence[dict[str, Any]], now: datet
     first = spans[0]
     explicit = [s["sequence_id"] for s in spans if s.get("sequence_id") is not None]
     missing = len(spans) - len(explicit)
-    preparing, running = AttemptStatus.PREPARING, AttemptStatus.RUNNING
-    moving = (RolloutStatus.PREPARING, RolloutStatus.REQUEUING)
-    due = (preparing, now - HEARTBEAT_MIN_INTERVAL, now)
     params: list[Any] = [
-        *due, preparing, running, *due, now,  # a
-        first["rollout_id"], first["attempt_id"], project.pk, AttemptStatus.UNRESPONSIVE,
-        _DEADLINE_SECONDS_LIMIT, _DEADLINE_SECONDS_LIMIT,
-        *(live_key or ()),
-        running, now,  # u
-        max(explicit) + 1 if explicit else None, missing,  # r
-        *moving, RolloutStatus.RUNNING, *moving, missing,
+        now, first["rollout_id"], first["attempt_id"], project.pk, *(live_key or ()),  # a
+        AttemptStatus.RUNNING, now,  # u
+        max(explicit) + 1 if explicit else None, missing, missing,  # r
     ]
     plan = _span_plan()
     ordinal = 0
@@ -460,9 +442,6 @@ def _export_common(project: Project, spans: Sequence[dict[str, Any]], now: datet
     return fetch_one_prepared(_common_sql(len(spans), live_key is not None), params)
 
 
-# An attempt whose rollout's config sets a limit beyond this (seconds) takes the full path:
-# Python's rule for a deadline past year 9999 (None) is not Postgres'.
-_DEADLINE_SECONDS_LIMIT = 1e8
 _IDS = ("id", "rollout_id", "attempt_id", "sequence_id")
 
 
@@ -489,22 +468,24 @@ def _common_sql(count: int, key_checked: bool = False) -> str:
     names = [f"c{i}" for i in range(len(fields))]
     columns = ", ".join(f'"{f.column}"' for f in fields)
     span = Span._meta
-    timeout = "(r.config->>'timeout_seconds')::float8"
-    unresponsive = "(r.config->>'unresponsive_seconds')::float8"
-    due = ("(a.status = %s OR a.last_heartbeat_time IS NULL "
-           "OR a.last_heartbeat_time <= %s OR a.last_heartbeat_time > %s)")
-    moves = ("a.revive AND r.latest_attempt_id = a.id "
-             "AND r.status IN (%s::varchar, %s::varchar)")
+    timeout = rules.config_seconds_sql("r.config", "timeout_seconds")
+    unresponsive = rules.config_seconds_sql("r.config", "unresponsive_seconds")
+    due = rules.HEARTBEAT_DUE.sql("a.status", "a.last_heartbeat_time", "n.now")
+    deadline = rules.DEADLINE.sql("a.start_time", "n.now", timeout, unresponsive,
+                                  "NULL::float8")
+    moves = ("a.revive AND "
+             f"{rules.HEARTBEAT_MOVES_ROLLOUT.sql('r.status', 'r.latest_attempt_id', 'a.id')}")
+    bound = rules.MAX_LIMIT_SECONDS
     return (
-        # The attempt, locked; `due` as `_heartbeats_due` decides it, `revive` as `_ingest`
-        # (a due attempt that is preparing or running: running, with a new deadline).
-        f"WITH a AS (SELECT a.id, a.rollout_id, {due} AND a.status IN (%s, %s) AS revive, "
-        f"{due} AS due, LEAST(a.start_time + make_interval(secs => {timeout}), "
-        f"%s::timestamptz + make_interval(secs => {unresponsive})) AS deadline "
-        "FROM store_attempt a JOIN store_rollout r ON r.id = a.rollout_id "
+        # The attempt, locked; `due` and `revive` as `_ingest` decides them (rules; an
+        # unresponsive attempt is the full path's), its new deadline for a revival.
+        f"WITH a AS (SELECT a.id, a.rollout_id, {due} AND {rules.REVIVES.sql('a.status')} "
+        f"AS revive, {due} AS due, {deadline} AS deadline "
+        "FROM store_attempt a JOIN store_rollout r ON r.id = a.rollout_id, "
+        "(SELECT %s::timestamptz AS now) n "
         "WHERE a.rollout_id = %s AND a.attempt_id = %s AND r.project_id + 0 = %s "
-        f"AND a.status <> %s AND COALESCE({timeout}, 0) < %s "
-        f"AND COALESCE({unresponsive}, 0) < %s "
+        f"AND a.status <> {rules.literal(AttemptStatus.UNRESPONSIVE)} "
+        f"AND COALESCE({timeout}, 0) <= {bound!r} AND COALESCE({unresponsive}, 0) <= {bound!r} "
         f"{f'AND {KEY_LIVE_SQL} ' if key_checked else ''}"
         "FOR NO KEY UPDATE OF a), "
         # Its heartbeat, when due.
@@ -516,7 +497,8 @@ def _common_sql(count: int, key_checked: bool = False) -> str:
         # The rollout: its counter, and preparing/requeuing -> running.
         "r AS (UPDATE store_rollout r SET next_span_sequence_id = "
         "GREATEST(r.next_span_sequence_id, %s::int4) + %s::int4, "
-        f"status = CASE WHEN {moves} THEN %s ELSE r.status END, "
+        f"status = CASE WHEN {moves} THEN {rules.literal(RolloutStatus.RUNNING)} "
+        "ELSE r.status END, "
         f"queue_deadline = CASE WHEN {moves} THEN NULL ELSE r.queue_deadline END "
         "FROM a WHERE r.id = a.rollout_id RETURNING r.id, r.status, "
         "r.next_span_sequence_id - %s::int4 AS first), "

@@ -1,0 +1,279 @@
+"""Each state rule of store/rules.py, its SQL fragment against its Python function, over edge
+inputs (None, 0, 1, 1e8, 1e12, negative, every status, retry lists, terminal states): the
+answers must be equal (issue 23). Fragments the SQLite default runs (the watchdog's look-ahead
+read) are held to it on SQLite too; the rest are Postgres statements' and run there. The ORM
+forms (`.q`) are held to the Python function on real rows."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from store import rules
+from store.models import Attempt, Rollout
+from store.services import RolloutSpec, project_create, rollout_enqueue_many
+from store.statemachine import AttemptStatus, RolloutConfig, RolloutStatus
+
+NOW = timezone.now().replace(microsecond=654321)
+NEAR_END = datetime(9999, 12, 31, 23, 59, 50, tzinfo=UTC)
+SECONDS = [None, 0, -1, 1, 0.1, 2.5, 1e-6, 1e8, rules.MAX_LIMIT_SECONDS,
+           rules.MAX_LIMIT_SECONDS + 1, 1e12]
+TIMES = [None, NOW - timedelta(seconds=1), NOW - timedelta(microseconds=1), NOW,
+         NOW + timedelta(microseconds=1), NOW + timedelta(seconds=1)]
+HEARTBEATS = [None, NOW - timedelta(seconds=2), NOW - timedelta(seconds=1),
+              NOW - timedelta(microseconds=999999), NOW - timedelta(seconds=0.5), NOW,
+              NOW + timedelta(seconds=0.5), NOW + timedelta(hours=1)]
+CONFIGS = [None, {}, {"max_attempts": 3}, {"retry_condition": ["failed"]},
+           {"retry_condition": ["failed"], "max_attempts": 3},
+           {"retry_condition": ["failed", "timeout", "unresponsive"], "max_attempts": 2},
+           {"retry_condition": None, "max_attempts": 5}, {"retry_condition": [], "max_attempts": 2}]
+METADATA = [None, {}, {"a": 1}, {"error": "old", "x": [1, {"y": None}]}, [1, 2], "text", 5]
+ERRORS = ["boom", "", "ünï \"quoted\" 'single' \\ back"]
+ATTEMPT_STATUSES = list(AttemptStatus.values)
+ROLLOUT_STATUSES = list(RolloutStatus.values)
+
+
+def _param(value):
+    """A parameter as the database's own paths pass it."""
+    if isinstance(value, datetime) and connection.vendor != "postgresql":
+        return connection.ops.adapt_datetimefield_value(value)
+    return value
+
+
+def _check(rule, casts: dict[str, str], cases: list[tuple], python_args=None, sql_value=None,
+           convert=None) -> int:
+    """Every case answered the same by the rule's Python function and by `SELECT` of its
+    fragment, each argument a placeholder with its cast (`casts`, in argument order)."""
+    python_args = python_args or (lambda case: case)
+    sql_value = sql_value or (lambda name, value: value)
+    convert = convert or (lambda row: row[0])
+    names = list(casts)
+    tagged = rule.sql(*(f"<{name}>" for name in names))
+    order = re.findall(r"<(\w+)>", tagged)
+    fragment = re.sub(r"<(\w+)>", lambda m: casts[m.group(1)], tagged)
+    wrong = []
+    with connection.cursor() as cursor:
+        for case in cases:
+            values = dict(zip(names, case, strict=True))
+            cursor.execute(f"SELECT {fragment}",
+                           [_param(sql_value(name, values[name])) for name in order])
+            answer, expected = convert(cursor.fetchone()), rule.python(*python_args(case))
+            if answer != expected:
+                wrong.append((case, expected, answer))
+    assert not wrong, f"{len(wrong)} of {len(cases)} cases differ, e.g. {wrong[:5]}"
+    return len(cases)
+
+
+def _as_bool(row):
+    return bool(row[0])
+
+
+TS = "%s::timestamptz"
+
+
+# --- Rules whose fragment also runs on SQLite (the watchdog's look-ahead read) -------------
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("rule, statuses", [
+    (rules.CLAIMABLE, ROLLOUT_STATUSES), (rules.QUEUE_EXPIRED, ROLLOUT_STATUSES),
+    (rules.ATTEMPT_OVERDUE, ATTEMPT_STATUSES)], ids=lambda v: getattr(v, "name", ""))
+def test_status_and_time_rules_agree(rule, statuses):
+    cases = list(itertools.product(statuses, TIMES, [NOW]))
+    cast = "%s::timestamptz" if connection.vendor == "postgresql" else "%s"
+    n = _check(rule, {"status": "%s", "time": cast, "now": cast}, cases, convert=_as_bool)
+    print(f"{rule.name}: {n} cases on {connection.vendor}")
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("rule", [rules.CLAIMABLE, rules.QUEUE_EXPIRED], ids=lambda r: r.name)
+def test_queue_rules_orm_form_agrees(rule):
+    """The ORM's filter (`.q`, the claim's SQLite path and the watchdog's sweep) on real rows."""
+    project = project_create(name=f"q-{rule.name}")
+    cases = list(itertools.product(ROLLOUT_STATUSES, TIMES))
+    rows = rollout_enqueue_many(project=project,
+                                specs=[RolloutSpec(input=i) for i in range(len(cases))])
+    for row, (status, deadline) in zip(rows, cases, strict=True):
+        Rollout.objects.filter(pk=row.pk).update(status=status, queue_deadline=deadline)
+    chosen = set(Rollout.objects.filter(rule.q(NOW), project=project).values_list("pk",
+                                                                                  flat=True))
+    expected = {row.pk for row, case in zip(rows, cases, strict=True)
+                if rule.python(*case, NOW)}
+    assert chosen == expected
+
+
+@pytest.mark.django_db
+def test_attempt_overdue_orm_form_agrees():
+    project = project_create(name="q-overdue")
+    cases = list(itertools.product(ATTEMPT_STATUSES, TIMES))
+    rollout = rollout_enqueue_many(project=project, specs=[RolloutSpec(input=0)])[0]
+    Attempt.objects.bulk_create([
+        Attempt(rollout=rollout, attempt_id=rules.new_attempt_id(), sequence_id=i + 1,
+                status=status, start_time=NOW, deadline=deadline)
+        for i, (status, deadline) in enumerate(cases)])
+    chosen = set(Attempt.objects.filter(rules.ATTEMPT_OVERDUE.q(NOW), rollout=rollout)
+                 .values_list("sequence_id", flat=True))
+    expected = {i + 1 for i, case in enumerate(cases) if rules.ATTEMPT_OVERDUE.python(*case, NOW)}
+    assert chosen == expected
+
+
+# --- Postgres statements' rules --------------------------------------------------------------
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+def test_limit_bounds_agree():
+    _check(rules.LIMIT, {"s": "%s::float8"}, [(s,) for s in SECONDS], convert=_as_bool)
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+@pytest.mark.parametrize("start", [NOW, NEAR_END], ids=["now", "near-year-10000"])
+def test_deadline_agrees(start):
+    """The claim's, the export's and the services' deadline: every limit (out of bounds
+    included), a heartbeat or none, the first-report window, and a start near the last
+    instant Python can hold."""
+    heartbeats = [None, start - timedelta(seconds=0.5)]
+    cases = list(itertools.product([start], heartbeats, SECONDS, SECONDS, [None, 0, 300, 1e12]))
+    casts = {"start": TS, "heartbeat": TS, "timeout": "%s::float8",
+             "unresponsive": "%s::float8", "first_report": "%s::float8"}
+    n = _check(rules.DEADLINE, casts, cases)
+    print(f"deadline: {n} cases from {start}")
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+@pytest.mark.parametrize("rule", [rules.RETRY, rules.ROLLOUT_FOR_ATTEMPT], ids=lambda r: r.name)
+def test_retry_rules_agree(rule):
+    """Every attempt status, sequence ids around max_attempts, retry lists and their absence
+    (the Python side reads the config as RolloutConfig.parse does, the SQL side as jsonb)."""
+    cases = list(itertools.product(ATTEMPT_STATUSES, [0, 1, 2, 3, 5, 10**8], CONFIGS))
+
+    def python_args(case):
+        status, seq, raw = case
+        config = RolloutConfig.parse(raw)
+        return status, seq, config.retry_condition, config.max_attempts
+
+    def sql_value(name, value):
+        return json.dumps(value) if name == "config" and value is not None else value
+
+    convert = _as_bool if rule is rules.RETRY else None
+    _check(rule, {"status": "%s::varchar", "seq": "%s::int", "config": "%s::jsonb"}, cases,
+           python_args, sql_value, convert)
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+@pytest.mark.parametrize("rule", [rules.FOLLOWS, rules.HEARTBEAT_MOVES_ROLLOUT],
+                         ids=lambda r: r.name)
+def test_rollout_moves_agree(rule):
+    """Every rollout status (terminal ones included), the attempt the latest or not, none."""
+    cases = list(itertools.product(ROLLOUT_STATUSES, [None, 1, 2], [1]))
+    _check(rule, {"status": "%s::varchar", "latest": "%s::bigint", "attempt": "%s::bigint"},
+           cases, convert=_as_bool)
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+def test_heartbeat_due_agrees():
+    """Every attempt status; a heartbeat never, long ago, at the interval's edge, within
+    it, now, and ahead of our clock (a runner's)."""
+    cases = list(itertools.product(ATTEMPT_STATUSES, HEARTBEATS, [NOW]))
+    _check(rules.HEARTBEAT_DUE, {"status": "%s::varchar", "last": TS, "now": TS}, cases,
+           convert=_as_bool)
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+@pytest.mark.parametrize("rule", [rules.REVIVES, rules.WORKER_FOR_ATTEMPT],
+                         ids=lambda r: r.name)
+def test_attempt_status_rules_agree(rule):
+    convert = _as_bool if rule is rules.REVIVES else None
+    _check(rule, {"status": "%s::varchar"}, [(s,) for s in ATTEMPT_STATUSES], convert=convert)
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+def test_worker_after_claim_agrees():
+    _check(rules.WORKER_AFTER_CLAIM, {"claimed": "%s::boolean"}, [(True,), (False,)])
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+def test_error_merge_agrees():
+    """Metadata none, empty, with an error already, not an object; errors with quotes."""
+    cases = list(itertools.product(METADATA, ERRORS))
+    fragment = rules.ERROR_MERGE.sql("%(m)s::jsonb", "%(e)s")
+    answers = []
+    with connection.cursor() as cursor:
+        for metadata, error in cases:
+            cursor.execute(f"SELECT ({fragment})::text",
+                           {"m": None if metadata is None else json.dumps(metadata), "e": error})
+            answers.append(json.loads(cursor.fetchone()[0]))
+    wrong = [(case, rules.ERROR_MERGE.python(*case), answer)
+             for case, answer in zip(cases, answers, strict=True)
+             if rules.ERROR_MERGE.python(*case) != answer]
+    assert not wrong
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+def test_attempt_id_agrees():
+    """The claim's statement picks the ids Python made (one generator), in AGL's format."""
+    ids = [rules.new_attempt_id() for _ in range(3)]
+    assert all(re.fullmatch(r"at-[0-9a-f]{8}", i) for i in ids)
+    cases = [(ids, index) for index in (-1, 0, 1, 2, 3, 4)]
+    _check(rules.ATTEMPT_ID, {"ids": "%s", "index": "%s::int"}, cases)
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+def test_group_count_agrees():
+    """Counts up and down (a reopened member), below, at and past the total, an empty group,
+    a completion time kept or not."""
+    earlier = NOW - timedelta(minutes=1)
+    cases = list(itertools.product([0, 1, 2, 3], [0, 1, 3], [None, earlier], [-1, 1, 2],
+                                   [NOW]))
+    casts = {"finished": "%s::int", "total": "%s::int", "completed_at": TS, "delta": "%s::int",
+             "now": TS}
+    _check(rules.GROUP_COUNT, casts, cases, convert=tuple)
+
+
+def test_lock_order_is_one_order():
+    rules.locks_in_order("attempt", "rollout", "worker", "group")
+    rules.locks_in_order("attempt", "group")
+    with pytest.raises(AssertionError):
+        rules.locks_in_order("rollout", "group", "worker")
+
+
+def test_every_rule_has_its_test():
+    tested = {"limit", "deadline", "claimable", "queue_expired", "attempt_overdue", "retry",
+              "rollout_for_attempt", "follows", "heartbeat_due", "revives",
+              "heartbeat_moves_rollout", "error_merge", "attempt_id", "worker_for_attempt",
+              "worker_after_claim", "group_count"}
+    assert {rule.name for rule in rules.ALL} == tested
+
+
+# Fragments of the rules as they were written before store/rules.py held them: none may be
+# written again outside it.
+OLD_FRAGMENTS = [
+    "make_interval(", "md5(random", "'queuing'", "'requeuing'", "'preparing'", "'idle'",
+    "'busy'", "jsonb_build_object('error'", "retry_condition'", "max_attempts'",
+    "queue_deadline IS NULL OR", "finished >= total", "g.finished + ", "secrets.token_hex(4)",
+]
+
+
+def test_rules_are_written_only_in_rules_py():
+    root = Path(__file__).resolve().parent.parent / "store"
+    found = []
+    for path in root.rglob("*.py"):
+        if path.name == "rules.py" or "migrations" in path.parts:
+            continue
+        text = path.read_text()
+        found += [f"{path.relative_to(root)}: {f}" for f in OLD_FRAGMENTS if f in text]
+    assert not found
