@@ -4,6 +4,7 @@ full path then answers. On SQLite both calls take the full path."""
 
 from __future__ import annotations
 
+import copy
 from datetime import timedelta
 
 import pytest
@@ -11,9 +12,10 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from store import hooks, services, watchdog
+from store import hooks, rules, services, watchdog
 from store.models import Attempt, GroupCompletion, Rollout, RolloutGroup, Worker
 from store.services import AttemptUpdate, RolloutSpec
+from store.statemachine import QUEUED, ROLLOUT_TERMINAL, RolloutConfig, WorkerStatus
 from tests.conftest import backdate
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -173,3 +175,61 @@ def test_a_verdict_given_twice_is_a_no_op_and_another_one_is_refused(project):
     with pytest.raises(IllegalTransition):
         services.attempt_update(project=project, rollout_id=rollout_id, attempt_id=attempt_id,
                                 status="failed")
+
+
+def _by_the_rules(before: dict, rollout_id: str, attempt_id: str, status: str,
+                  error: str | None) -> dict:
+    """The rows a verdict must leave, worked out from the rows before it with store/rules.py
+    alone (no path of the store): the parity that holds on SQLite too, where both calls take
+    the full path."""
+    attempt = Attempt.objects.get(rollout_id=rollout_id, attempt_id=attempt_id)
+    rollout = Rollout.objects.get(pk=rollout_id)
+    rows = copy.deepcopy(before)
+    rows["attempt"].update(status=status, end_time=FROZEN)
+    if error is not None:
+        rows["attempt"]["metadata"] = rules.ERROR_MERGE.python(before["attempt"]["metadata"],
+                                                              error)
+    became_terminal = False
+    if rules.FOLLOWS.python(before["rollout"]["status"], rollout.latest_attempt_id, attempt.pk):
+        config = RolloutConfig.parse(rollout.config)
+        new = rules.ROLLOUT_FOR_ATTEMPT.python(status, attempt.sequence_id,
+                                               config.retry_condition, config.max_attempts)
+        rows["rollout"]["status"] = new
+        if new in ROLLOUT_TERMINAL:
+            rows["rollout"]["end_time"] = FROZEN
+            became_terminal = True
+        elif new in QUEUED:
+            rows["rollout"].update(enqueue_time=FROZEN, queue_deadline=rules.after(
+                FROZEN, rollout.queue_timeout_seconds))
+    if before["worker"] is not None:
+        worker = rules.WORKER_FOR_ATTEMPT.python(status)
+        rows["worker"]["status"] = worker
+        if worker == WorkerStatus.IDLE:
+            rows["worker"].update(last_idle_time=FROZEN, current_rollout_id=None,
+                                  current_attempt_id=None)
+    if before["group"] is not None and became_terminal:
+        total, finished, completed_at, events = before["group"]
+        finished, completed_at, completed_now = rules.GROUP_COUNT.python(
+            finished, total, completed_at, 1, FROZEN)
+        rows["group"] = (total, finished, completed_at, events + int(completed_now))
+    return rows
+
+
+@pytest.mark.parametrize("verdict", [
+    {"status": "succeeded"}, {"status": "failed"}, {"status": "failed", "error": "boom"},
+], ids=["succeeded", "failed", "failed-with-error"])
+@pytest.mark.parametrize("shape", [
+    {}, {"running": True}, {"worker": False}, {"grouped": 1}, {"grouped": 2},
+    {"config": {"max_attempts": 3, "retry_condition": ["timeout"]}},
+    {"config": {"max_attempts": 2, "retry_condition": ["failed"]}, "grouped": 1},
+], ids=["preparing", "running", "no-worker", "completes-its-group", "group-waits",
+        "retries-other-failures", "retries-this-failure"])
+@pytest.mark.parametrize("path", [_common, _full], ids=["common", "full"])
+def test_each_verdict_path_leaves_the_rows_the_rules_give(project, shape, verdict, path):
+    """Both verdict paths against store/rules.py, on Postgres and on SQLite."""
+    (rollout_id, attempt_id), _ = _twins(project, **shape)
+    before = _rows(rollout_id, attempt_id)
+    path(project, rollout_id, attempt_id, **verdict)
+    expected = _by_the_rules(before, rollout_id, attempt_id, verdict["status"],
+                             verdict.get("error"))
+    assert _rows(rollout_id, attempt_id) == expected
