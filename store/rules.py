@@ -302,6 +302,22 @@ HEARTBEAT_MOVES_ROLLOUT = Rule("heartbeat_moves_rollout", _heartbeat_moves_rollo
                                _heartbeat_moves_rollout_sql)
 
 
+# --- Span sequence ids ---------------------------------------------------------------------------
+
+def _span_counter(counter: int, next_explicit: int | None, missing: int) -> int:
+    """AGL's per-rollout span counter after a batch: raised past the batch's highest explicit
+    `sequence_id` (`next_explicit`, that id + 1; None: none), then one id for each of the
+    `missing` spans without one (they get the ids just below the new counter, in order)."""
+    return max(counter, next_explicit if next_explicit is not None else counter) + missing
+
+
+def _span_counter_sql(counter: str, next_explicit: str, missing: str) -> str:
+    return f"(GREATEST({counter}, {next_explicit}) + {missing})"
+
+
+SPAN_COUNTER = Rule("span_counter", _span_counter, _span_counter_sql)
+
+
 # --- The error merge ------------------------------------------------------------------------------
 
 def _with_error(metadata: Any, error: str) -> dict:
@@ -430,4 +446,4 @@ def locks_in_order(*tables: str) -> None:
 
 ALL = (LIMIT, DEADLINE, CLAIMABLE, QUEUE_EXPIRED, ATTEMPT_OVERDUE, RETRY, ROLLOUT_FOR_ATTEMPT,
        FOLLOWS, HEARTBEAT_DUE, REVIVES, HEARTBEAT_MOVES_ROLLOUT, ERROR_MERGE, ATTEMPT_ID,
-       WORKER_FOR_ATTEMPT, WORKER_AFTER_CLAIM, GROUP_COUNT)
+       WORKER_FOR_ATTEMPT, WORKER_AFTER_CLAIM, GROUP_COUNT, SPAN_COUNTER)

@@ -13,6 +13,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connection
 from django.utils import timezone
 
@@ -255,7 +256,7 @@ def test_every_rule_has_its_test():
     tested = {"limit", "deadline", "claimable", "queue_expired", "attempt_overdue", "retry",
               "rollout_for_attempt", "follows", "heartbeat_due", "revives",
               "heartbeat_moves_rollout", "error_merge", "attempt_id", "worker_for_attempt",
-              "worker_after_claim", "group_count"}
+              "worker_after_claim", "group_count", "span_counter"}
     assert {rule.name for rule in rules.ALL} == tested
 
 
@@ -265,6 +266,7 @@ OLD_FRAGMENTS = [
     "make_interval(", "md5(random", "'queuing'", "'requeuing'", "'preparing'", "'idle'",
     "'busy'", "jsonb_build_object('error'", "retry_condition'", "max_attempts'",
     "queue_deadline IS NULL OR", "finished >= total", "g.finished + ", "secrets.token_hex(4)",
+    "GREATEST(", "LEAST(",
 ]
 
 
@@ -277,3 +279,28 @@ def test_rules_are_written_only_in_rules_py():
         text = path.read_text()
         found += [f"{path.relative_to(root)}: {f}" for f in OLD_FRAGMENTS if f in text]
     assert not found
+
+
+@pytest.mark.parametrize("seconds, allowed", [
+    (0, True), (0.0, True), (1, True), (300, True), (rules.MAX_LIMIT_SECONDS, True),
+    (rules.MAX_LIMIT_SECONDS + 1, False), (1e12, False)])
+def test_the_first_report_window_is_a_limit_within_the_bounds(settings, seconds, allowed):
+    """A window beyond the bound would silently be no window (the deadline ignores it):
+    refused loudly instead."""
+    settings.STORE_FIRST_REPORT_SECONDS = seconds
+    if allowed:
+        assert rules.first_report_seconds() == seconds
+    else:
+        with pytest.raises(ImproperlyConfigured, match="STORE_FIRST_REPORT_SECONDS"):
+            rules.first_report_seconds()
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+def test_span_counter_agrees():
+    """A counter at 1 and far on; explicit ids below, at and past it, negative, none; none
+    to many spans without an id."""
+    cases = list(itertools.product([1, 5, 10**6], [None, -3, 0, 1, 5, 6, 10**6 + 7],
+                                   [0, 1, 3]))
+    _check(rules.SPAN_COUNTER, {"counter": "%s::int4", "next": "%s::int4",
+                                "missing": "%s::int4"}, cases)

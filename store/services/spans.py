@@ -347,23 +347,27 @@ def _row(span: dict[str, Any], attempt: Attempt) -> Span:
 def _assign_sequence_ids(
     spans: Sequence[dict[str, Any]], attempts: dict[tuple[str, str], Attempt]
 ) -> list[Rollout]:
-    """AGL's per-rollout counter, shared by the rollout's attempts (the rollout rows are
-    locked): an explicit `sequence_id` raises it past that id, then spans without one get the
-    next ids. Returns the rollouts whose counter moved."""
+    """AGL's per-rollout counter (rules.SPAN_COUNTER), shared by the rollout's attempts (the
+    rollout rows are locked): an explicit `sequence_id` raises it past that id, then spans
+    without one get the next ids. Returns the rollouts whose counter moved."""
     rollouts = {a.rollout_id: a.rollout for a in attempts.values()}
+    by_rollout: dict[str, list[dict[str, Any]]] = {}
+    for span in spans:
+        by_rollout.setdefault(span["rollout_id"], []).append(span)
     moved: dict[str, Rollout] = {}
-    for span in spans:
-        seq = span.get("sequence_id")
-        rollout = rollouts[span["rollout_id"]]
-        if seq is not None and seq >= rollout.next_span_sequence_id:
-            rollout.next_span_sequence_id = seq + 1
-            moved[rollout.pk] = rollout
-    for span in spans:
-        if span.get("sequence_id") is None:
-            rollout = rollouts[span["rollout_id"]]
-            span["sequence_id"] = rollout.next_span_sequence_id
-            rollout.next_span_sequence_id += 1
-            moved[rollout.pk] = rollout
+    for rollout_id, mine in by_rollout.items():
+        rollout = rollouts[rollout_id]
+        explicit = [s["sequence_id"] for s in mine if s.get("sequence_id") is not None]
+        missing = [s for s in mine if s.get("sequence_id") is None]
+        counter = rules.SPAN_COUNTER.python(rollout.next_span_sequence_id,
+                                            max(explicit) + 1 if explicit else None,
+                                            len(missing))
+        if counter == rollout.next_span_sequence_id:
+            continue
+        for seq, span in enumerate(missing, start=counter - len(missing)):
+            span["sequence_id"] = seq
+        rollout.next_span_sequence_id = counter
+        moved[rollout.pk] = rollout
     return list(moved.values())
 
 
@@ -496,7 +500,7 @@ def _common_sql(count: int, key_checked: bool = False) -> str:
         "FROM a WHERE t.id = a.id AND a.due RETURNING t.id), "
         # The rollout: its counter, and preparing/requeuing -> running.
         "r AS (UPDATE store_rollout r SET next_span_sequence_id = "
-        "GREATEST(r.next_span_sequence_id, %s::int4) + %s::int4, "
+        f"{rules.SPAN_COUNTER.sql('r.next_span_sequence_id', '%s::int4', '%s::int4')}, "
         f"status = CASE WHEN {moves} THEN {rules.literal(RolloutStatus.RUNNING)} "
         "ELSE r.status END, "
         f"queue_deadline = CASE WHEN {moves} THEN NULL ELSE r.queue_deadline END "
