@@ -83,9 +83,10 @@ def first_report_seconds() -> float:
 
 # --- The deadline -------------------------------------------------------------------------------
 
-# The last instant a deadline may take: Python's datetime ends there (psycopg cannot read a later
-# timestamptz back), so a later one is no deadline, in both languages.
-LAST_INSTANT_SQL = "'9999-12-31 23:59:59.999999+00'::timestamptz"
+# The first instant past the last one a deadline may take: Python's datetime ends just before
+# it (psycopg cannot read a later timestamptz back), so a later one is no deadline, in both
+# languages.
+PAST_LAST_INSTANT_SQL = "'10000-01-01Z'"
 
 
 def after(base: datetime, seconds: float | None) -> datetime | None:
@@ -97,12 +98,6 @@ def after(base: datetime, seconds: float | None) -> datetime | None:
         return base + timedelta(seconds=seconds)
     except OverflowError:
         return None
-
-
-def _after_sql(base: str, seconds: str) -> str:
-    shifted = f"{base} + make_interval(secs => {seconds})"
-    return (f"CASE WHEN {_limit_counts_sql(seconds)} AND {shifted} <= {LAST_INSTANT_SQL} "
-            f"THEN {shifted} END")
 
 
 def _deadline(start: datetime, heartbeat: datetime | None, timeout: float | None,
@@ -120,9 +115,14 @@ def _deadline(start: datetime, heartbeat: datetime | None, timeout: float | None
 
 def _deadline_sql(start: str, heartbeat: str, timeout: str, unresponsive: str,
                   first_report: str) -> str:
-    return (f"LEAST({_after_sql(start, timeout)}, "
-            f"{_after_sql(f'COALESCE({heartbeat}, {start})', unresponsive)}, "
-            f"CASE WHEN {heartbeat} IS NULL THEN {_after_sql(start, first_report)} END)")
+    # Each candidate (its base, its limit) is a row, so each argument is written once and the
+    # statements that embed the rule stay short (psycopg caches the parsing of statements up
+    # to 4 KB only). MIN skips the NULLs of limits out of bounds and of instants past the last.
+    return (f"(SELECT min(v) FROM (VALUES ({start}, {timeout}), "
+            f"(COALESCE({heartbeat}, {start}), {unresponsive}), "
+            f"(CASE WHEN {heartbeat} IS NULL THEN {start} END, {first_report})) x(b, s), "
+            f"LATERAL (SELECT CASE WHEN s > 0 AND s <= {MAX_LIMIT_SECONDS!r} "
+            f"THEN b + make_interval(secs => s) END AS v) y WHERE v < {PAST_LAST_INSTANT_SQL})")
 
 
 DEADLINE = Rule("deadline", _deadline, _deadline_sql)
@@ -238,8 +238,9 @@ def _follows(rollout_status: str, latest_attempt: int | None, attempt: int) -> b
 
 
 def _follows_sql(rollout_status: str, latest_attempt: str, attempt: str) -> str:
-    return (f"COALESCE({latest_attempt} = {attempt} "
-            f"AND {rollout_status} NOT IN ({literal(ROLLOUT_TERMINAL)}), false)")
+    """NULL (no latest attempt) counts as no, as in a WHERE or CASE WHEN."""
+    return (f"({latest_attempt} = {attempt} "
+            f"AND {rollout_status} NOT IN ({literal(ROLLOUT_TERMINAL)}))")
 
 
 FOLLOWS = Rule("follows", _follows, _follows_sql)
@@ -294,8 +295,8 @@ def _heartbeat_moves_rollout(rollout_status: str, latest_attempt: int | None,
 
 
 def _heartbeat_moves_rollout_sql(rollout_status: str, latest_attempt: str, attempt: str) -> str:
-    return (f"COALESCE({latest_attempt} = {attempt} "
-            f"AND {rollout_status} IN ({literal(_MOVED_BY_HEARTBEAT)}), false)")
+    return (f"({latest_attempt} = {attempt} "
+            f"AND {rollout_status} IN ({literal(_MOVED_BY_HEARTBEAT)}))")
 
 
 HEARTBEAT_MOVES_ROLLOUT = Rule("heartbeat_moves_rollout", _heartbeat_moves_rollout,

@@ -477,14 +477,15 @@ def _common_sql(count: int, key_checked: bool = False) -> str:
     due = rules.HEARTBEAT_DUE.sql("a.status", "a.last_heartbeat_time", "n.now")
     deadline = rules.DEADLINE.sql("a.start_time", "n.now", timeout, unresponsive,
                                   "NULL::float8")
-    moves = ("a.revive AND "
+    moves = ("a.due AND a.revivable AND "
              f"{rules.HEARTBEAT_MOVES_ROLLOUT.sql('r.status', 'r.latest_attempt_id', 'a.id')}")
     bound = rules.MAX_LIMIT_SECONDS
     return (
-        # The attempt, locked; `due` and `revive` as `_ingest` decides them (rules; an
-        # unresponsive attempt is the full path's), its new deadline for a revival.
-        f"WITH a AS (SELECT a.id, a.rollout_id, {due} AND {rules.REVIVES.sql('a.status')} "
-        f"AS revive, {due} AS due, {deadline} AS deadline "
+        # The attempt, locked; its heartbeat `due` and `revivable` (revived when due) as
+        # `_ingest` decides them (rules; an unresponsive attempt is the full path's), and its
+        # new deadline for a revival.
+        f"WITH a AS (SELECT a.id, a.rollout_id, {due} AS due, "
+        f"{rules.REVIVES.sql('a.status')} AS revivable, {deadline} AS deadline "
         "FROM store_attempt a JOIN store_rollout r ON r.id = a.rollout_id, "
         "(SELECT %s::timestamptz AS now) n "
         "WHERE a.rollout_id = %s AND a.attempt_id = %s AND r.project_id + 0 = %s "
@@ -494,9 +495,9 @@ def _common_sql(count: int, key_checked: bool = False) -> str:
         "FOR NO KEY UPDATE OF a), "
         # Its heartbeat, when due.
         "u AS (UPDATE store_attempt t SET "
-        "status = CASE WHEN a.revive THEN %s ELSE t.status END, "
+        "status = CASE WHEN a.revivable THEN %s ELSE t.status END, "
         "last_heartbeat_time = %s, "
-        "deadline = CASE WHEN a.revive THEN a.deadline ELSE t.deadline END "
+        "deadline = CASE WHEN a.revivable THEN a.deadline ELSE t.deadline END "
         "FROM a WHERE t.id = a.id AND a.due RETURNING t.id), "
         # The rollout: its counter, and preparing/requeuing -> running.
         "r AS (UPDATE store_rollout r SET next_span_sequence_id = "
