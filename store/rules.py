@@ -63,7 +63,8 @@ def _limit_counts(seconds: float | None) -> bool:
 
 
 def _limit_counts_sql(seconds: str) -> str:
-    return f"COALESCE({seconds} > 0 AND {seconds} <= {MAX_LIMIT_SECONDS!r}, false)"
+    """NULL (no limit) counts as no, as in a WHERE or CASE WHEN."""
+    return f"({seconds} > 0 AND {seconds} <= {MAX_LIMIT_SECONDS!r})"
 
 
 LIMIT = Rule("limit", _limit_counts, _limit_counts_sql)
@@ -121,7 +122,7 @@ def _deadline_sql(start: str, heartbeat: str, timeout: str, unresponsive: str,
     return (f"(SELECT min(v) FROM (VALUES ({start}, {timeout}), "
             f"(COALESCE({heartbeat}, {start}), {unresponsive}), "
             f"(CASE WHEN {heartbeat} IS NULL THEN {start} END, {first_report})) x(b, s), "
-            f"LATERAL (SELECT CASE WHEN s > 0 AND s <= {MAX_LIMIT_SECONDS!r} "
+            f"LATERAL (SELECT CASE WHEN {_limit_counts_sql('s')} "
             f"THEN b + make_interval(secs => s) END AS v) y WHERE v < {PAST_LAST_INSTANT_SQL})")
 
 

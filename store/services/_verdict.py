@@ -4,7 +4,7 @@ locking read, the write, COMMIT), with no model instances built on the way in. T
 "succeeded", or "failed" where the rollout's config does not retry it (it fails with it).
 
 The statement does what the full path does for that case, in the same lock order (attempts,
-then rollouts, then workers, then groups: store/services/_rows.py):
+then rollouts, then workers, then groups: rules.LOCK_ORDER), each rule from store/rules.py:
 
 - it locks the attempt (FOR NO KEY UPDATE, read as it is once locked) when it is preparing or
   running (and the lean request's key is live);
