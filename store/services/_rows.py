@@ -87,10 +87,10 @@ def attempts_locked(project_id: int, rollout_ids: list[str], attempt_ids: list[s
     attempt pk order; with `lock_rollouts`, their rollouts next, in id order, read again once
     locked.
 
-    The one lock order of every writer: attempts in id order, then rollouts in id order, then
-    workers. Locking a rollout between two of its attempts (one joined statement locks rows
-    as it emits them) deadlocked with the sweep, which holds a late attempt and waits for
-    its rollout.
+    The one lock order of every writer (store/rules.py, LOCK_ORDER): attempts in id order,
+    then rollouts in id order, then workers, then groups. Locking a rollout between two of
+    its attempts (one joined statement locks rows as it emits them) deadlocked with the
+    sweep, which holds a late attempt and waits for its rollout.
 
     Rows of another project are filtered out before they are locked: naming another tenant's
     ids never waits behind its transactions (a timing oracle). The filter is written

@@ -270,7 +270,7 @@ def _validate(span: Any, index: int) -> None:
 def _attempts_for(project: Project, spans: Sequence[dict], unknown_ok: bool = False
                   ) -> tuple[dict[tuple[str, str], Attempt], list[tuple[str, str]]]:
     """The spans' attempts with their rollouts (one instance per rollout), locked in attempt
-    pk order, then their rollouts (the one lock order): the rollout holds the span sequence
+    pk order, then their rollouts (rules.LOCK_ORDER): the rollout holds the span sequence
     counter. Also the keys naming no attempt of the project, in order: refused (NotFound,
     the first of them) unless `unknown_ok`."""
     keys = {(s["rollout_id"], s["attempt_id"]) for s in spans}
