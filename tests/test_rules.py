@@ -274,7 +274,8 @@ OLD_FRAGMENTS = [
     "make_interval(", "md5(random", "'queuing'", "'requeuing'", "'preparing'", "'idle'",
     "'busy'", "jsonb_build_object('error'", "retry_condition'", "max_attempts'",
     "queue_deadline IS NULL OR", "finished >= total", "g.finished + ", "secrets.token_hex(4)",
-    "GREATEST(", "LEAST(",
+    "GREATEST(", "LEAST(", "'running'", "'succeeded'", "'cancelled'", "'timeout'",
+    "'unresponsive'", "'unknown'",
 ]
 
 
