@@ -170,6 +170,9 @@ STORE_QUEUE_TIMEOUT_SECONDS = env_float("STORE_QUEUE_TIMEOUT_SECONDS", 0.0, mini
 # A claimed attempt that never reports (no heartbeat, status or span) is unresponsive after this
 # many seconds whatever its config: a lost dequeue answer never strands a rollout. 0: no bound.
 STORE_FIRST_REPORT_SECONDS = env_float("STORE_FIRST_REPORT_SECONDS", 300.0, minimum=0.0)
+# A claim that never reported whose worker gave no sign of life (dequeue, heartbeat, report)
+# for this many seconds is unresponsive at once: its runner died right after the claim. 0: off.
+STORE_SILENT_WORKER_SECONDS = env_float("STORE_SILENT_WORKER_SECONDS", 20.0, minimum=0.0)
 # The price list of the cost ledger (README "Cost"), applied when a ledger row is written:
 # per CPU-second, per GPU-second by device type (the first name contained in the device's
 # name, else "*"), per 1000 tokens the model gateway generated. Units are the operator's.
