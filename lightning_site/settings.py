@@ -256,6 +256,10 @@ if env_str("CELERY_REDIS_KEY_PREFIX"):
 # it must also exceed CELERY_TASK_TIME_LIMIT, or the broker closes the channel of a long task.
 # Keep retrying the broker at start: in compose the workers often start before RabbitMQ.
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# Reconnect to a broker that went away within 2 s of its return (core/consumer.py), and keep
+# trying for as long as it is away: Celery's 100 tries would end the worker after ~3 minutes.
+CELERY_WORKER_CONSUMER = "core.consumer:Consumer"
+CELERY_BROKER_CONNECTION_MAX_RETRIES = None
 # Work that names no queue is housekeeping; every task of ours names its queue anyway.
 CELERY_TASK_DEFAULT_QUEUE = "control"
 # Each task declares its queue (`lightning_queue=Queue.X`); this router reads the declaration.

@@ -325,6 +325,14 @@ def control_sweep() -> dict[str, int]:
     return {name: len(ids) for name, ids in result.as_dict().items()}
 
 
+def control_resend_owed() -> dict[str, int]:
+    """Send the messages the broker refused (rollouts marked unpublished, requeued rollouts,
+    training steps never sent): reconciliation's sending part, run when a worker's broker
+    connection comes back."""
+    return {"rollouts_resent": rollouts_redispatch(
+        resend_after_seconds=settings.RUNNERS_REDISPATCH_SECONDS), **control.run_reconcilers()}
+
+
 def control_reconcile() -> dict[str, int]:
     """Re-send what lost its message (rollouts here; training steps through the reconcilers
     other apps register in core.control), and mark silent workers lost."""
