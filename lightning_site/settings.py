@@ -246,6 +246,11 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {
     # task, or a rollout still running is delivered a second time (harmless, but wasted).
     "visibility_timeout": CELERY_TASK_TIME_LIMIT + 600,
 }
+if CELERY_BROKER_URL.startswith(("amqp", "pyamqp")):
+    # Publisher confirms: a publish counts as sent only once RabbitMQ has taken it. Without
+    # them a message written just before the broker went away was lost with no error, its
+    # rollout (or step) left to the 300 s re-send age (tests/test_broker_outage.py).
+    CELERY_BROKER_TRANSPORT_OPTIONS["confirm_publish"] = True
 if EMBEDDED_WORKERS:
     # The in-memory transport is polled: poll often, one process needs no broker round trips.
     CELERY_BROKER_TRANSPORT_OPTIONS["polling_interval"] = 0.05

@@ -18,6 +18,7 @@ class BrokerProxy:
         self._lock = threading.Lock()
         self._sockets: list[socket.socket] = []
         self._listener: socket.socket | None = None
+        self._dropping = threading.Event()
 
     def url(self, broker_url: str) -> str:
         """`broker_url` with the proxy's address in place of the broker's."""
@@ -32,12 +33,18 @@ class BrokerProxy:
         threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
         return self
 
+    def blackhole(self) -> None:
+        """What clients send stops reaching the broker (the connections stay open), as in the
+        moment a broker dies with frames in flight; `cut()` ends it."""
+        self._dropping.set()
+
     def cut(self) -> None:
         """The broker goes away: the listener closes (new connections are refused) and every
         connection through the proxy is closed."""
         with self._lock:
             listener, self._listener = self._listener, None
             sockets, self._sockets = self._sockets, []
+        self._dropping.clear()
         if listener is not None:
             listener.close()
         for sock in sockets:
@@ -64,14 +71,15 @@ class BrokerProxy:
                     upstream.close()
                     return
                 self._sockets += [client, upstream]
-            for src, dst in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+            for src, dst, to_broker in ((client, upstream, True), (upstream, client, False)):
+                threading.Thread(target=self._pump, args=(src, dst, to_broker),
+                                 daemon=True).start()
 
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, to_broker: bool) -> None:
         try:
             while data := src.recv(65536):
-                dst.sendall(data)
+                if not (to_broker and self._dropping.is_set()):
+                    dst.sendall(data)
         except OSError:
             pass
         for sock in (src, dst):

@@ -6,6 +6,7 @@ seconds until the rate was back; asserts on the events (it came back, nothing du
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -58,6 +59,51 @@ def test_what_the_broker_refused_is_sent_when_a_worker_reconnects(
     with capsys.disabled():
         print(f"\nbroker back after 5 s: the rollout it refused succeeded "
               f"{time.monotonic() - back:.1f} s later")
+
+
+@pytest.mark.parametrize("broker", ["rabbitmq"], indirect=True)
+def test_a_message_in_flight_when_the_broker_dies_is_not_counted_as_sent(
+    broker_url, celery_workers, capsys
+):
+    """The broker dies with our publish in flight (written to the socket, never routed):
+    without publisher confirms the publisher counted it sent, and its rollout waited for the
+    re-send age (RUNNERS_REDISPATCH_SECONDS, 300 s); a training step waits for every
+    rollout of its group. With confirms the publish fails, the rollout is owed a message,
+    and the worker sends it when its connection comes back."""
+    proxy = BrokerProxy(5672).start()
+    url = proxy.url(broker_url)
+    celery_workers(queues=["rollouts"], broker_url=url, concurrency=1, env=DEFAULTS,
+                   name="in-flight")
+    project = store_services.project_create(name="in-flight")
+
+    def enqueue() -> Rollout:
+        return runner_services.rollouts_enqueue_for_celery(
+            project=project, agent="tests.celery_agents:ok_agent",
+            specs=[RolloutSpec(input={"i": 1})])[0]
+
+    with use_broker(url):
+        purge_queues()
+        first = enqueue()  # the publisher's connection is open before the broker dies
+        wait_until(lambda: Rollout.objects.get(pk=first.pk).status == "succeeded",
+                   timeout=60, message="the first rollout never ran")
+        proxy.blackhole()
+        cut = threading.Timer(2.0, proxy.cut)
+        cut.start()
+        rollout = enqueue()
+        cut.join()
+        time.sleep(3)
+        proxy.start()
+        back = time.monotonic()
+
+        def succeeded() -> bool:
+            rollout.refresh_from_db()
+            return rollout.status == "succeeded"
+
+        wait_until(succeeded, timeout=60, interval=0.2,
+                   message=f"the rollout stayed {rollout.status}: its message was lost")
+    with capsys.disabled():
+        print(f"\nbroker died with a publish in flight: the rollout succeeded "
+              f"{time.monotonic() - back:.1f} s after the broker was back")
 
 
 @pytest.mark.parametrize("broker", ["rabbitmq"], indirect=True)
