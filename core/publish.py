@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 # Kombu's own retry of one publish: short, because the reconcile is the real retry.
 PUBLISH_RETRY = {"max_retries": 2, "interval_start": 0.1, "interval_step": 0.4,
                  "interval_max": 1.0}
+# With publisher confirms (RabbitMQ, settings), how long one publish waits for the broker's
+# confirm before it counts as not sent: a broker that went silent must not hold the sender.
+CONFIRM_TIMEOUT_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,7 @@ def publish(messages: Sequence[Message]) -> list[Message]:
             for message, extra in zip(messages, options, strict=True):
                 celery_app.send_task(message.task, kwargs=message.kwargs, queue=message.queue,
                                      producer=producer, retry=True, retry_policy=PUBLISH_RETRY,
-                                     **extra)
+                                     confirm_timeout=CONFIRM_TIMEOUT_SECONDS, **extra)
                 sent += 1
     except Exception as exc:  # the broker is down or refused: the rows say what is owed
         log.warning("published %d of %d messages; the rest wait for the next reconcile: %r",

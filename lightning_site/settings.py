@@ -170,6 +170,9 @@ STORE_QUEUE_TIMEOUT_SECONDS = env_float("STORE_QUEUE_TIMEOUT_SECONDS", 0.0, mini
 # A claimed attempt that never reports (no heartbeat, status or span) is unresponsive after this
 # many seconds whatever its config: a lost dequeue answer never strands a rollout. 0: no bound.
 STORE_FIRST_REPORT_SECONDS = env_float("STORE_FIRST_REPORT_SECONDS", 300.0, minimum=0.0)
+# A claim that never reported whose worker gave no sign of life (dequeue, heartbeat, report)
+# for this many seconds is unresponsive at once: its runner died right after the claim. 0: off.
+STORE_SILENT_WORKER_SECONDS = env_float("STORE_SILENT_WORKER_SECONDS", 20.0, minimum=0.0)
 # The price list of the cost ledger (README "Cost"), applied when a ledger row is written:
 # per CPU-second, per GPU-second by device type (the first name contained in the device's
 # name, else "*"), per 1000 tokens the model gateway generated. Units are the operator's.
@@ -243,6 +246,11 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {
     # task, or a rollout still running is delivered a second time (harmless, but wasted).
     "visibility_timeout": CELERY_TASK_TIME_LIMIT + 600,
 }
+if CELERY_BROKER_URL.startswith(("amqp", "pyamqp")):
+    # Publisher confirms: a publish counts as sent only once RabbitMQ has taken it. Without
+    # them a message written just before the broker went away was lost with no error, its
+    # rollout (or step) left to the 300 s re-send age (tests/test_broker_outage.py).
+    CELERY_BROKER_TRANSPORT_OPTIONS["confirm_publish"] = True
 if EMBEDDED_WORKERS:
     # The in-memory transport is polled: poll often, one process needs no broker round trips.
     CELERY_BROKER_TRANSPORT_OPTIONS["polling_interval"] = 0.05
@@ -253,6 +261,10 @@ if env_str("CELERY_REDIS_KEY_PREFIX"):
 # it must also exceed CELERY_TASK_TIME_LIMIT, or the broker closes the channel of a long task.
 # Keep retrying the broker at start: in compose the workers often start before RabbitMQ.
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# Reconnect to a broker that went away within 2 s of its return (core/consumer.py), and keep
+# trying for as long as it is away: Celery's 100 tries would end the worker after ~3 minutes.
+CELERY_WORKER_CONSUMER = "core.consumer:Consumer"
+CELERY_BROKER_CONNECTION_MAX_RETRIES = None
 # Work that names no queue is housekeeping; every task of ours names its queue anyway.
 CELERY_TASK_DEFAULT_QUEUE = "control"
 # Each task declares its queue (`lightning_queue=Queue.X`); this router reads the declaration.

@@ -20,6 +20,8 @@ class RunnersConfig(AppConfig):
         checks.register(check_settings)
         # Every worker of this app registers itself (host, queues, CPUs, CUDA) and heartbeats.
         celery_app.steps["worker"].add("runners.worker_registry:WorkerRegistryStep")
+        # After a broker outage, each worker sends the messages owed meanwhile as it reconnects.
+        celery_app.steps["consumer"].add("runners.worker_registry:ResendOnReconnectStep")
         # Django's documented place for wiring that needs models: they load only after the
         # app registry is ready, which is why this import is here and not at the top.
         from runners import selectors, services, stopping  # noqa: F401 - stopping: its signal

@@ -17,6 +17,15 @@ def check_settings(app_configs=None, **kwargs) -> list:
             hint="otherwise healthy attempts are marked unresponsive between two heartbeats",
             id="runners.E001",
         ))
+    silent = settings.STORE_SILENT_WORKER_SECONDS
+    if silent and silent <= 2 * heartbeat:
+        problems.append(Error(
+            f"STORE_SILENT_WORKER_SECONDS ({silent}) must exceed twice "
+            f"RUNNERS_HEARTBEAT_SECONDS ({heartbeat})",
+            hint="a busy pool process shows itself only by its attempt's heartbeat: a claim "
+                 "of a live worker would be marked unresponsive before its first heartbeat",
+            id="runners.E004",
+        ))
     if settings.WORKERS_LOST_AFTER_SECONDS <= 2 * settings.WORKERS_HEARTBEAT_SECONDS:
         problems.append(Error(
             f"WORKERS_LOST_AFTER_SECONDS ({settings.WORKERS_LOST_AFTER_SECONDS}) must exceed "

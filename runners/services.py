@@ -170,7 +170,23 @@ def celery_worker_take_over(*, name: str, pid: int) -> list[str]:
                  target=r.dispatch_target)
         for r in requeued.order_by("pk")
     ])
+    celery_worker_resend_received(name=name)
     return taken
+
+
+def celery_worker_resend_received(*, name: str) -> int:
+    """Messages a worker killed outright had received but not started (no claim committed)
+    stay with the broker (Redis: until the visibility timeout), their rollouts queued with a
+    message counted as sent, so only the re-send age (RUNNERS_REDISPATCH_SECONDS) found them
+    (301.9 s in a chaos run). They were at the head of the queue when it died, so they are
+    among the queued rollouts whose message is oldest: the oldest `concurrency x prefetch`
+    are sent again when its node starts again or is marked lost (a duplicate finds its
+    rollout claimed and returns). Returns how many were sent."""
+    worker = CeleryWorker.objects.filter(name=name).first()
+    if worker is None or Queue.ROLLOUTS.value not in worker.queues:
+        return 0
+    held = max(worker.concurrency, 1) * settings.CELERY_WORKER_PREFETCH_MULTIPLIER
+    return rollouts_redispatch(resend_after_seconds=0, limit=held)
 
 
 def rollouts_enqueue_for_celery(
@@ -309,16 +325,23 @@ def control_sweep() -> dict[str, int]:
     return {name: len(ids) for name, ids in result.as_dict().items()}
 
 
+def control_resend_owed() -> dict[str, int]:
+    """Send the messages the broker refused (rollouts marked unpublished, requeued rollouts,
+    training steps never sent): reconciliation's sending part, run when a worker's broker
+    connection comes back."""
+    return {"rollouts_resent": rollouts_redispatch(
+        resend_after_seconds=settings.RUNNERS_REDISPATCH_SECONDS), **control.run_reconcilers()}
+
+
 def control_reconcile() -> dict[str, int]:
     """Re-send what lost its message (rollouts here; training steps through the reconcilers
     other apps register in core.control), and mark silent workers lost."""
+    lost = celery_workers_mark_lost(lost_after_seconds=settings.WORKERS_LOST_AFTER_SECONDS)
     counts = {
         "rollouts_resent": rollouts_redispatch(
             resend_after_seconds=settings.RUNNERS_REDISPATCH_SECONDS
-        ),
-        "workers_lost": len(
-            celery_workers_mark_lost(lost_after_seconds=settings.WORKERS_LOST_AFTER_SECONDS)
-        ),
+        ) + sum(celery_worker_resend_received(name=name) for name in lost),
+        "workers_lost": len(lost),
         "held_slots_forgotten": held_slots_forget(),
     }
     counts.update(control.run_reconcilers())

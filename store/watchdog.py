@@ -8,15 +8,17 @@ so sweeps may run concurrently with each other and with heartbeats.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import connection, transaction
+from django.db.models import Exists, OuterRef, Q
 from django.utils import timezone
 
 from store import rules, wakeups
-from store.models import Attempt, Rollout
+from store.models import Attempt, Rollout, Worker
 from store.rules import first_report_seconds
 from store.services._bulk import bulk_set
 from store.services._common import (
@@ -28,6 +30,7 @@ from store.services._common import (
 )
 from store.services.groups import rollouts_finished
 from store.statemachine import (
+    ATTEMPT_LIVE,
     QUEUED,
     ROLLOUT_TERMINAL,
     AttemptStatus,
@@ -65,6 +68,9 @@ def sweep(
     result = SweepResult()
     for _ in range(max_batches):
         if _sweep_attempts(now, batch_size, result, project_id) < batch_size:
+            break
+    for _ in range(max_batches):
+        if _sweep_silent_claims(now, batch_size, result, project_id) < batch_size:
             break
     for _ in range(max_batches):
         if _expire_queue_waits(now, batch_size, result, project_id) < batch_size:
@@ -127,44 +133,109 @@ def _sweep_attempts(now: datetime, batch_size: int, result: SweepResult,
         )
         if not attempts:
             return 0
-        rollouts = {
-            r.pk: r
-            for r in Rollout.objects.select_for_update()
-            .filter(pk__in={a.rollout_id for a in attempts})
-            .order_by("pk")
-        }
-        lost, changed, finished = [], {}, []
-        for attempt in attempts:
-            rollout = rollouts[attempt.rollout_id]
-            config = RolloutConfig.parse(rollout.config)
-            verdict = _verdict(attempt, config, now)
-            if verdict is None:
-                continue
-            set_attempt_status(attempt, verdict, now)
-            attempt.metadata = rules.ERROR_MERGE.python(
-                attempt.metadata, verdict_error(attempt, verdict, config, now))
-            lost.append(attempt)
-            key = f"{attempt.rollout_id}/{attempt.attempt_id}"
-            timed_out = verdict == AttemptStatus.TIMEOUT
-            (result.timed_out if timed_out else result.unresponsive).append(key)
-            was_terminal = rollout.status in ROLLOUT_TERMINAL
-            if follow_latest_attempt(rollout, attempt, now):
-                changed[rollout.pk] = rollout
-                if rollout.status in QUEUED:
-                    result.requeued.append(rollout.pk)
-                elif rollout.status == RolloutStatus.FAILED and not was_terminal:
-                    result.failed.append(rollout.pk)
-                    finished.append(rollout)
-        bulk_set(attempts, ["status", "end_time", "deadline", "metadata"])
-        if changed:
-            bulk_set(list(changed.values()), ROLLOUT_FOLLOW_FIELDS)
-        for project_id in {r.project_id for r in rollouts.values()}:
-            mine = [a for a in lost if rollouts[a.rollout_id].project_id == project_id]
-            worker_sync_for_attempts(project_id, mine, now)
-        for project_id in {changed[rid].project_id for rid in result.requeued if rid in changed}:
-            wakeups.announce(wakeups.QUEUED, project_id)
-        rollouts_finished(finished, now)
+        _judge(attempts, now, result, _due_verdict)
     return len(attempts)
+
+
+def _sweep_silent_claims(now: datetime, batch_size: int, result: SweepResult,
+                         project_id: int | None = None) -> int:
+    """Claims that never reported (preparing, no heartbeat) whose worker has given no sign
+    of life for STORE_SILENT_WORKER_SECONDS (a runner killed right after its claim):
+    unresponsive now, not at the end of their limits or of the first-report window. A live
+    worker shows itself within seconds (our runners heartbeat an attempt every
+    RUNNERS_HEARTBEAT_SECONDS, a runner with a free slot long-polls the dequeue, an AGL
+    runner calls update_worker every 10 s), so a slow agent of a live worker is never
+    judged by this."""
+    window = settings.STORE_SILENT_WORKER_SECONDS
+    if not window:
+        return 0
+    cutoff = now - timedelta(seconds=window)
+    quiet = Q()
+    for sign in ("last_heartbeat_time", "last_dequeue_time", "last_busy_time",
+                 "last_idle_time"):
+        quiet &= Q(**{f"{sign}__isnull": True}) | Q(**{f"{sign}__lt": cutoff})
+    silent_worker = Worker.objects.filter(
+        quiet, project_id=OuterRef("rollout__project_id"), worker_id=OuterRef("worker_id"))
+    with transaction.atomic():
+        # Served by the partial index attempt_live_deadline (a claim that never reported has
+        # the first-report window's deadline), then worker_uniq per attempt.
+        due = Attempt.objects.filter(status__in=ATTEMPT_LIVE, deadline__isnull=False).filter(
+            Exists(silent_worker), status=AttemptStatus.PREPARING,
+            last_heartbeat_time__isnull=True, start_time__lte=cutoff)
+        if project_id is not None:
+            due = due.filter(rollout__project_id=project_id)
+        attempts = list(
+            due.select_for_update(skip_locked=True, of=("self",))
+            .order_by("start_time")[:batch_size]
+        )
+        if not attempts:
+            return 0
+        _judge(attempts, now, result, _silent_verdict)
+    return len(attempts)
+
+
+def _judge(attempts: list[Attempt], now: datetime, result: SweepResult,
+           verdict_for: Callable[[Attempt, RolloutConfig, datetime], tuple[str, str] | None],
+           ) -> None:
+    """Apply `verdict_for(attempt, config, now)` (a status and its error, or None: not due)
+    to locked live attempts: the attempts, their rollouts (retry or fail), their workers and
+    groups."""
+    rollouts = {
+        r.pk: r
+        for r in Rollout.objects.select_for_update()
+        .filter(pk__in={a.rollout_id for a in attempts})
+        .order_by("pk")
+    }
+    lost, changed, finished = [], {}, []
+    for attempt in attempts:
+        rollout = rollouts[attempt.rollout_id]
+        config = RolloutConfig.parse(rollout.config)
+        judged = verdict_for(attempt, config, now)
+        if judged is None:
+            continue
+        verdict, error = judged
+        set_attempt_status(attempt, verdict, now)
+        attempt.metadata = rules.ERROR_MERGE.python(attempt.metadata, error)
+        lost.append(attempt)
+        key = f"{attempt.rollout_id}/{attempt.attempt_id}"
+        timed_out = verdict == AttemptStatus.TIMEOUT
+        (result.timed_out if timed_out else result.unresponsive).append(key)
+        was_terminal = rollout.status in ROLLOUT_TERMINAL
+        if follow_latest_attempt(rollout, attempt, now):
+            changed[rollout.pk] = rollout
+            if rollout.status in QUEUED:
+                result.requeued.append(rollout.pk)
+            elif rollout.status == RolloutStatus.FAILED and not was_terminal:
+                result.failed.append(rollout.pk)
+                finished.append(rollout)
+    bulk_set(attempts, ["status", "end_time", "deadline", "metadata"])
+    if changed:
+        bulk_set(list(changed.values()), ROLLOUT_FOLLOW_FIELDS)
+    for project_id in {r.project_id for r in rollouts.values()}:
+        mine = [a for a in lost if rollouts[a.rollout_id].project_id == project_id]
+        worker_sync_for_attempts(project_id, mine, now)
+    for project_id in {changed[rid].project_id for rid in result.requeued if rid in changed}:
+        wakeups.announce(wakeups.QUEUED, project_id)
+    rollouts_finished(finished, now)
+
+
+def _due_verdict(attempt: Attempt, config: RolloutConfig, now: datetime
+                 ) -> tuple[str, str] | None:
+    verdict = _verdict(attempt, config, now)
+    return None if verdict is None else (verdict, verdict_error(attempt, verdict, config, now))
+
+
+def _silent_verdict(attempt: Attempt, config: RolloutConfig, now: datetime
+                    ) -> tuple[str, str] | None:
+    if attempt.status != AttemptStatus.PREPARING or attempt.last_heartbeat_time is not None:
+        # It reported since the query looked.
+        return None
+    age = (now - attempt.start_time).total_seconds()
+    return AttemptStatus.UNRESPONSIVE, (
+        f"unresponsive: claimed {age:.1f} s ago and never reported, and its worker "
+        f"{attempt.worker_id!r} gave no sign of life (dequeue, heartbeat or report) for "
+        f"{settings.STORE_SILENT_WORKER_SECONDS:g} s (STORE_SILENT_WORKER_SECONDS; ended by "
+        "the watchdog)")
 
 
 def _verdict(attempt: Attempt, config: RolloutConfig, now: datetime) -> str | None:

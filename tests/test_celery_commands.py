@@ -55,8 +55,11 @@ def test_settings_that_contradict_each_other_are_reported(settings):
     settings.WORKERS_HEARTBEAT_SECONDS = 40
     settings.WORKERS_LOST_AFTER_SECONDS = 60
     settings.SCALE_TRAINING_MIN_WORKERS = 5  # above SCALE_TRAINING_MAX_WORKERS (4)
-    assert [p.id for p in check_settings()] == ["runners.E001", "runners.E002", "runners.E003"]
+    # E004: STORE_SILENT_WORKER_SECONDS (20) within two 30 s heartbeats.
+    assert [p.id for p in check_settings()] == ["runners.E001", "runners.E004", "runners.E002",
+                                                "runners.E003"]
     settings.RUNNERS_DEFAULT_UNRESPONSIVE_SECONDS = 0  # no default limit: nothing to check
+    settings.STORE_SILENT_WORKER_SECONDS = 61
     settings.WORKERS_LOST_AFTER_SECONDS = 120
     settings.SCALE_TRAINING_MIN_WORKERS = 4
     assert check_settings() == []

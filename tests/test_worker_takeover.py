@@ -8,12 +8,15 @@ import os
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 import pytest
+from django.utils import timezone
 
 from core import control
 from core import processes as control_processes
 from runners import services
+from runners.models import CeleryWorker
 from store import services as store_services
 from store.models import Rollout
 from store.services import RolloutSpec
@@ -111,3 +114,33 @@ def test_a_zombie_is_dead_and_its_work_is_taken_over(project, monkeypatch):
         assert services.celery_worker_take_over(name="node@h", pid=os.getpid()) == [held.pk]
     finally:
         os.waitpid(zombie, 0)
+
+
+def test_a_rollout_worker_starting_or_lost_sends_the_oldest_queued_messages_again(
+    project, monkeypatch, django_capture_on_commit_callbacks
+):
+    """Issue 23: messages a killed worker had received but not claimed stay with Redis until
+    the visibility timeout; they were the oldest the queue held, so those are sent again, as
+    many as the worker could hold (concurrency x prefetch)."""
+    sent = []
+    monkeypatch.setattr(services, "dispatches_send", sent.extend)
+    queued = services.rollouts_enqueue_for_celery(
+        project=project, agent="examples.hello:agent",
+        specs=[RolloutSpec(input=i) for i in range(3)])
+    for name, queues in (("node@h", ["rollouts"]), ("gpu@h", ["training"])):
+        services.celery_worker_register(name=name, hostname="h", pid=os.getpid(), queues=queues,
+                                        concurrency=2, hardware={})
+    with django_capture_on_commit_callbacks(execute=True):
+        services.celery_worker_take_over(name="gpu@h", pid=os.getpid())
+    assert sent == []  # a worker that serves no rollouts held none of their messages
+    with django_capture_on_commit_callbacks(execute=True):
+        services.celery_worker_take_over(name="node@h", pid=os.getpid())
+    assert [d.rollout_id for d in sent] == [r.pk for r in queued[:2]]
+    sent.clear()
+    CeleryWorker.objects.update(last_heartbeat=timezone.now() - timedelta(seconds=600))
+    with django_capture_on_commit_callbacks(execute=True):
+        counts = services.control_reconcile()  # both marked lost: the rollouts worker's two
+    assert counts["workers_lost"] == 2 and counts["rollouts_resent"] == 2
+    # The one never re-sent first, then one of the two re-sent at the same moment.
+    assert sent[0].rollout_id == queued[2].pk and len(sent) == 2
+    assert sent[1].rollout_id in {queued[0].pk, queued[1].pk}

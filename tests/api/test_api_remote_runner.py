@@ -18,6 +18,7 @@ from django.utils import timezone
 
 from runners.client import ApiError, StoreClient
 from runners.remote import HttpGateway
+from store.models import Attempt
 from store.watchdog import sweep
 from tests.api.conftest import ROOT, Keys, Server, start_server
 
@@ -225,3 +226,41 @@ def test_kill_9_mid_rollout_is_retried_or_failed_per_config(
     assert rescuer.proc.wait(timeout=60) == 0, rescuer.output()
     final = client.get_rollout(rid)
     assert final["status"] == "succeeded" and final["attempt"]["sequence_id"] == 2
+
+
+def test_a_runner_killed_right_after_its_claim_is_given_up_on_within_seconds(
+    client, api_server, keys, tmp_path, runners_started, capsys
+):
+    """Issue 23: a runner killed (-9) right after it claimed, before any report, left the
+    rollout to its limit (the attempt ended `timeout` 60.7 s after the kill). Its worker's
+    silence now ends the attempt (`unresponsive`, STORE_SILENT_WORKER_SECONDS) and another
+    runner retries it. Default heartbeat (5 s); the watchdog runs as beat runs it (5 s)."""
+    config = {"timeout_seconds": 60, "max_attempts": 2,
+              "retry_condition": ["unresponsive", "timeout"]}
+    rid = client.enqueue([{"input": {"i": 1, "seconds": 30}, "config": config}])[0]["rollout_id"]
+    doomed = RunnerProcess(api_server.url, keys.runner, "tests.celery_agents:looping_agent",
+                           tmp_path, "--heartbeat-seconds", "5")
+    runners_started.append(doomed)
+    assert wait_until(lambda: client.get_rollout(rid)["status"] == "preparing",
+                      attempts=3000, pause=0.02)
+    doomed.proc.kill()  # SIGKILL right after the claim: no heartbeat, no report
+    killed = time.monotonic()
+    doomed.proc.wait(timeout=10)
+    rescuer = RunnerProcess(api_server.url, keys.runner, "tests.celery_agents:ok_agent",
+                            tmp_path, "--heartbeat-seconds", "5", "--max-rollouts", "1")
+    runners_started.append(rescuer)
+    first = Attempt.objects.get(rollout_id=rid, sequence_id=1)
+    while first.status == "preparing" and time.monotonic() - killed < 120:
+        sweep()  # what celery-beat runs every LIGHTNING_SWEEP_SECONDS (5 s)
+        time.sleep(5)
+        first.refresh_from_db()
+    judged = time.monotonic() - killed
+    assert first.status == "unresponsive", first.metadata
+    assert "STORE_SILENT_WORKER_SECONDS" in first.metadata["error"]
+    assert rescuer.proc.wait(timeout=120) == 0, rescuer.output()
+    done = time.monotonic() - killed
+    final = client.get_rollout(rid)
+    assert final["status"] == "succeeded" and final["attempt"]["sequence_id"] == 2
+    with capsys.disabled():
+        print(f"\nrunner killed right after its claim: attempt 1 {first.status} {judged:.1f} s "
+              f"after the kill, the rollout succeeded on another runner {done:.1f} s after")
