@@ -68,7 +68,6 @@ _ATTEMPT = s.AttemptOut()
 _REFUSED_NULLS = ("status", "worker_id", "last_heartbeat_time", "metadata")
 _NEXT_SPAN_FIELDS = s.NextSequenceIdIn().fields
 _SPAN = s.SpanOut()
-_NEXT_SPAN = s.NextSequenceIdOut()
 
 
 def _allow(view: type) -> bytes:
@@ -181,6 +180,10 @@ def _answer(allow: bytes, build: Callable[[], tuple[Any, set[str]]], status: int
     except Exception:
         log.exception("lean path: the answer failed after the write")
         return _FAILED
+    return _answered(allow, status, content, cancelled)
+
+
+def _answered(allow: bytes, status: int, content: bytes, cancelled: set[str]) -> Answer:
     headers = fastpath._headers()
     headers[0] = (b"content-type", _JSON)
     headers[1] = (b"allow", allow)
@@ -306,12 +309,27 @@ def update_attempt(headers: dict[bytes, bytes], path: str, body: bytes) -> Answe
     return _answer(_ATTEMPT_ALLOW, build)
 
 
+def _plain_id(value: Any) -> bool:
+    """A string `StrictCharField(max_length=ID_MAX)` keeps as it is: printable ASCII (no
+    NUL, no surrogate), neither blank nor too long."""
+    return type(value) is str and 0 < len(value) <= s.ID_MAX and value.isascii() \
+        and value.isprintable()
+
+
+def _next_span_fields(payload: dict) -> dict | None:
+    """NextSequenceIdIn's validated data: the common case (two plain ids) checked here,
+    anything else by the serializer's own fields."""
+    rollout_id, attempt_id = payload.get("rollout_id"), payload.get("attempt_id")
+    if _plain_id(rollout_id) and _plain_id(attempt_id):
+        return {"rollout_id": rollout_id, "attempt_id": attempt_id}
+    return _validated(_NEXT_SPAN_FIELDS, payload)
+
+
 def next_span_sequence_id(headers: dict[bytes, bytes], path: str, body: bytes
                           ) -> Answer | None:
     """NextSpanSequenceIdView's answer, or None: let Django answer. One UPDATE in
     autocommit, which checks the key too (`services.span_next_sequence_id`)."""
-    checked = _checked(headers, path, body, _NEXT_SPAN_ROLES,
-                       lambda payload: _validated(_NEXT_SPAN_FIELDS, payload))
+    checked = _checked(headers, path, body, _NEXT_SPAN_ROLES, _next_span_fields)
     if checked is None:
         return None
     key, data = checked
@@ -324,13 +342,16 @@ def next_span_sequence_id(headers: dict[bytes, bytes], path: str, body: bytes
         # Nothing reserved (unknown rollout, dead key): Django's path answers, in its words.
         log.debug("spans/next fast path: falling back to Django", exc_info=True)
         return None
-    return _answer(_NEXT_SPAN_ALLOW,
-                   lambda: (_NEXT_SPAN.to_representation({"sequence_id": sequence_id}), set()))
+    # NextSequenceIdOut rendered: one integer field, compact JSON.
+    return _answered(_NEXT_SPAN_ALLOW, 200, b'{"sequence_id":%d}' % sequence_id, set())
+
+
+_SPAN_FIELD = s.SpanField()
 
 
 def _span_field(payload: dict) -> Any:
     try:
-        return s.SpanField().run_validation(payload)  # AddSpanView's check
+        return _SPAN_FIELD.run_validation(payload)  # AddSpanView's check
     except Exception:
         return None
 
