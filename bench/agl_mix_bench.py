@@ -104,6 +104,7 @@ def start_runner_parent(args) -> subprocess.Popen:
         [str(AGL_PYTHON), str(SIDE), "runners", "--runners", str(args.runners),
          "--rounds", str(args.rounds), "--agent", args.agent],
         env={**os.environ, **AGL_ENV}, start_new_session=True, stdin=subprocess.PIPE,
+        cwd=tempfile.mkdtemp(prefix="agl-mix-runners-"),  # AgentOps writes agentops.log here
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
 
