@@ -1,8 +1,10 @@
 """A lean path for the JSON requests of an AGL runner's loop: `POST
 /v1/agl/queues/rollouts/dequeue` (without a wait), `POST
 /v1/agl/rollouts/{rollout_id}/attempts/{attempt_id}` (the attempt update that reports the
-verdict), and the two an unmodified AGL 0.3 runner sends for every span (`add_otel_span`):
-`POST /v1/agl/spans/next` and `POST /v1/agl/spans`, as store/api/fastpath.py is for OTLP
+verdict), and the two AGL 0.3's client sends for a span it adds as JSON
+(`add_otel_span`, and a reward the rollout function returns): `POST /v1/agl/spans/next` and
+`POST /v1/agl/spans`; and the resources read AGL's runner sends before every rollout, `GET
+/v1/agl/resources/{resources_id}` (without a query); as store/api/fastpath.py is for OTLP
 exports.
 
 The ASGI front (lightning_site/asgi.py) offers it these requests first (`route`). It answers
@@ -26,7 +28,10 @@ as it always has:
   an unknown rollout (or another project's) reserves nothing and Django answers 404;
 - a span is the OTLP export's one statement (`services.span_add_lean`); where that statement
   leaves the work to the full path (unknown or unresponsive attempt, a dead key, text the
-  database refuses) it wrote nothing and Django answers.
+  database refuses) it wrote nothing and Django answers;
+- a resources read checks the key (one SELECT), then reads the latest version; an unknown id
+  (or another project's) and a dead key are left to Django (404, 401). Its body must be empty
+  and its `Accept` one DRF answers as plain JSON; `Content-Type` is not read (nor by Django).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from typing import Any
 
 from rest_framework.fields import SkipField, empty
 
-from store import services, watchdog
+from store import selectors, services, watchdog
 from store.api import fastpath, limits
 from store.api import serializers as s
 from store.api import views as v
@@ -57,6 +62,8 @@ ATTEMPT_ROUTE = "/v1/agl/rollouts/<str:rollout_id>/attempts/<str:attempt_id>"
 SPANS_PATH = "/v1/agl/spans"
 NEXT_SPAN_PATH = "/v1/agl/spans/next"
 _ROLLOUTS_PREFIX = "/v1/agl/rollouts/"
+_RESOURCES_PREFIX = "/v1/agl/resources/"
+RESOURCE_ROUTE = "/v1/agl/resources/<str:resources_id>"
 _ACCEPTS = (None, b"*/*", b"application/json")
 _JSON = b"application/json"
 
@@ -98,6 +105,12 @@ def _spans_view() -> type:
     return SpansEndpoint
 
 
+def _resource_view() -> type:
+    from store.api.urls import ResourceEndpoint
+
+    return ResourceEndpoint
+
+
 _ATTEMPT_VIEW = _attempt_view()
 _ATTEMPT_ALLOW = _allow(_ATTEMPT_VIEW)
 _ATTEMPT_ROLES = _roles(_ATTEMPT_VIEW)
@@ -108,13 +121,26 @@ _NEXT_SPAN_VIEW = v.NextSpanSequenceIdView
 _NEXT_SPAN_ALLOW = _allow(_NEXT_SPAN_VIEW)
 _NEXT_SPAN_ROLES = _roles(_NEXT_SPAN_VIEW)
 
+_RESOURCE_VIEW = _resource_view()
+_RESOURCE_ALLOW = _allow(_RESOURCE_VIEW)
+_RESOURCE_GET_ROLES = frozenset(getattr(_RESOURCE_VIEW, "get_roles", ANY_ROLE))
+_RESOURCES = s.ResourcesUpdateOut()
+
 Handler = Callable[[dict[bytes, bytes], str, bytes], Answer | None]
 
 
 def route(method: str, path: str, query_string: bytes) -> tuple[str, Handler] | None:
     """The (route label, handler) of a request this path may answer, or None (cheap: it
     runs on the event loop)."""
-    if method != "POST" or query_string:
+    if query_string:
+        return None
+    if method == "GET":
+        if path.startswith(_RESOURCES_PREFIX):
+            resources_id = path[len(_RESOURCES_PREFIX):]
+            if resources_id and "/" not in resources_id and resources_id != "latest":
+                return RESOURCE_ROUTE, get_resources
+        return None
+    if method != "POST":
         return None
     if path == DEQUEUE_PATH:
         return DEQUEUE_ROUTE, dequeue
@@ -379,3 +405,26 @@ def add_span(headers: dict[bytes, bytes], path: str, body: bytes) -> Answer | No
                  ingested.cancelled),
         status=201,
     )
+
+
+def get_resources(headers: dict[bytes, bytes], path: str, body: bytes) -> Answer | None:
+    """GetResourcesView's answer (the latest version; `?version=` goes to Django), or None:
+    let Django answer. AGL 0.3's runner reads its rollout's resources this way before every
+    rollout. The key's liveness is one SELECT (no write carries it), then the version."""
+    if body or headers.get(b"content-encoding") or headers.get(b"x-forwarded-host"):
+        return None
+    if headers.get(b"accept", None) not in _ACCEPTS or not (path.isascii()
+                                                            and path.isprintable()):
+        return None
+    key = fastpath.lean_key(headers, _RESOURCE_GET_ROLES)
+    if key is None or not _swept(key.project.pk):
+        return None
+    try:
+        services.require_key_live(key.live_check)
+        row = selectors.resources_get(project=key.project,
+                                      resources_id=path[len(_RESOURCES_PREFIX):])
+    except Exception:
+        # Unknown (or another project's) id, a dead key: Django's path answers, in its words.
+        log.debug("get resources fast path: falling back to Django", exc_info=True)
+        return None
+    return _answer(_RESOURCE_ALLOW, lambda: (_RESOURCES.to_representation(row), set()))
