@@ -29,7 +29,7 @@ as it always has:
 - a span is the OTLP export's one statement (`services.span_add_lean`); where that statement
   leaves the work to the full path (unknown or unresponsive attempt, a dead key, text the
   database refuses) it wrote nothing and Django answers;
-- a resources read checks the key (one SELECT), then reads the latest version; an unknown id
+- a resources read is one SELECT of the latest version that checks the key too; an unknown id
   (or another project's) and a dead key are left to Django (404, 401). Its body must be empty
   and its `Accept` one DRF answers as plain JSON; `Content-Type` is not read (nor by Django).
 """
@@ -410,7 +410,8 @@ def add_span(headers: dict[bytes, bytes], path: str, body: bytes) -> Answer | No
 def get_resources(headers: dict[bytes, bytes], path: str, body: bytes) -> Answer | None:
     """GetResourcesView's answer (the latest version; `?version=` goes to Django), or None:
     let Django answer. AGL 0.3's runner reads its rollout's resources this way before every
-    rollout. The key's liveness is one SELECT (no write carries it), then the version."""
+    rollout. One statement reads the latest version and checks the key
+    (`selectors.resources_get_lean`)."""
     if body or headers.get(b"content-encoding") or headers.get(b"x-forwarded-host"):
         return None
     if headers.get(b"accept", None) not in _ACCEPTS or not (path.isascii()
@@ -420,11 +421,11 @@ def get_resources(headers: dict[bytes, bytes], path: str, body: bytes) -> Answer
     if key is None or not _swept(key.project.pk):
         return None
     try:
-        services.require_key_live(key.live_check)
-        row = selectors.resources_get(project=key.project,
-                                      resources_id=path[len(_RESOURCES_PREFIX):])
+        row = selectors.resources_get_lean(project=key.project, live_key=key.live_check,
+                                           resources_id=path[len(_RESOURCES_PREFIX):])
     except Exception:
-        # Unknown (or another project's) id, a dead key: Django's path answers, in its words.
         log.debug("get resources fast path: falling back to Django", exc_info=True)
+        return None
+    if row is None:  # unknown (or another project's) id, a dead key: Django's words
         return None
     return _answer(_RESOURCE_ALLOW, lambda: (_RESOURCES.to_representation(row), set()))
