@@ -8,8 +8,8 @@ Our server (as bench/api_bench.py starts it), 16 runner threads, each on a rollo
 own (claimed before the measurement), each span one request or two, in four phases of
 `--spans` spans: (1) OTLP/HTTP protobuf to `/v1/traces` (one span per request, as AGL's
 exporter sends them); (2) `POST /v1/agl/spans/next` alone; (3) `POST /v1/agl/spans` alone
-(the span as AGL's client sends it, its sequence id left to the store); (4) what an
-unmodified AGL runner sends per span (`add_otel_span`): `spans/next`, then `spans` with that
+(the span as AGL's client sends it, its sequence id left to the store); (4) what AGL's
+client sends per span it adds as JSON (`add_otel_span`): `spans/next`, then `spans` with that
 id. For each: server CPU per span (web processes + the benchmark database's Postgres
 backends, bench/serverstats.py), spans/s, p50/p99 per request. `--server gunicorn` runs
 Django alone (no lean paths): the figures before them.

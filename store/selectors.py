@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import reduce
 from operator import and_, or_
+from types import SimpleNamespace
 from typing import Any, Generic, TypeVar
 
+from django.db import connection
 from django.db.models import Count, F, OrderBy, Q, QuerySet, Sum
 
 from store import waits, wakeups
@@ -24,6 +27,14 @@ from store.models import (
     UsageEntry,
     Worker,
 )
+from store.services._rows import (
+    KEY_LIVE_SQL,
+    KeyNotLive,
+    LiveKey,
+    fetch_one_prepared,
+    require_key_live,
+)
+from store.services._rows import _loads as json_loads
 from store.statemachine import ROLLOUT_TERMINAL, AttemptStatus, RolloutStatus
 
 T = TypeVar("T")
@@ -248,6 +259,43 @@ def resources_get(
         ident = resources_id if version is None else f"{resources_id}@{version}"
         raise NotFound("resources", ident)
     return row
+
+
+def resources_get_lean(*, project: Project, resources_id: str,
+                       live_key: LiveKey | None) -> Any:
+    """`resources_get` of the latest version for the lean `GET /v1/agl/resources/{id}`
+    (store/api/fastjson.py), with `require_key_live(live_key)`: on Postgres one hand-written
+    statement that checks the key too. What ResourcesUpdateOut renders (a ResourceVersion, or
+    an object with the fields it reads), or None: an unknown id, another project's, or a dead
+    key (the caller leaves those to Django's path)."""
+    if connection.vendor != "postgresql":
+        try:
+            require_key_live(live_key)
+            return resources_get(project=project, resources_id=resources_id)
+        except (KeyNotLive, NotFound):
+            return None
+    row = fetch_one_prepared(_resources_latest_sql(live_key is not None),
+                             [project.pk, resources_id, *(live_key or ())])
+    if row is None:
+        return None
+    stored = row[4] if not isinstance(row[4], str) else \
+        json_loads(row[4], ResourceVersion._meta.get_field("resources"))
+    return SimpleNamespace(
+        resource_set=SimpleNamespace(resources_id=row[0], create_time=row[1]),
+        created_at=row[2], version=row[3], resources=stored)
+
+
+@functools.cache
+def _resources_latest_sql(key_checked: bool) -> str:
+    sets, versions = ResourceSet._meta.db_table, ResourceVersion._meta.db_table
+    return (
+        f"SELECT rs.resources_id, rs.create_time, rv.created_at, rv.version, rv.resources "
+        f"FROM {sets} rs JOIN {versions} rv "
+        f"ON rv.resource_set_id = rs.id AND rv.version = rs.version "
+        f"WHERE rs.project_id = %s AND rs.resources_id = %s"
+        + (f" AND {KEY_LIVE_SQL}" if key_checked else "")
+        + " ORDER BY rv.id LIMIT 1"  # resources_get's .first()
+    )
 
 
 def resources_latest(*, project: Project) -> ResourceVersion | None:

@@ -1,8 +1,10 @@
 """A lean path for the JSON requests of an AGL runner's loop: `POST
 /v1/agl/queues/rollouts/dequeue` (without a wait), `POST
 /v1/agl/rollouts/{rollout_id}/attempts/{attempt_id}` (the attempt update that reports the
-verdict), and the two an unmodified AGL 0.3 runner sends for every span (`add_otel_span`):
-`POST /v1/agl/spans/next` and `POST /v1/agl/spans`, as store/api/fastpath.py is for OTLP
+verdict), and the two AGL 0.3's client sends for a span it adds as JSON
+(`add_otel_span`, and a reward the rollout function returns): `POST /v1/agl/spans/next` and
+`POST /v1/agl/spans`; and the resources read AGL's runner sends before every rollout, `GET
+/v1/agl/resources/{resources_id}` (without a query); as store/api/fastpath.py is for OTLP
 exports.
 
 The ASGI front (lightning_site/asgi.py) offers it these requests first (`route`). It answers
@@ -26,7 +28,10 @@ as it always has:
   an unknown rollout (or another project's) reserves nothing and Django answers 404;
 - a span is the OTLP export's one statement (`services.span_add_lean`); where that statement
   leaves the work to the full path (unknown or unresponsive attempt, a dead key, text the
-  database refuses) it wrote nothing and Django answers.
+  database refuses) it wrote nothing and Django answers;
+- a resources read is one SELECT of the latest version that checks the key too; an unknown id
+  (or another project's) and a dead key are left to Django (404, 401). Its body must be empty
+  and its `Accept` one DRF answers as plain JSON; `Content-Type` is not read (nor by Django).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from typing import Any
 
 from rest_framework.fields import SkipField, empty
 
-from store import services, watchdog
+from store import selectors, services, watchdog
 from store.api import fastpath, limits
 from store.api import serializers as s
 from store.api import views as v
@@ -57,6 +62,8 @@ ATTEMPT_ROUTE = "/v1/agl/rollouts/<str:rollout_id>/attempts/<str:attempt_id>"
 SPANS_PATH = "/v1/agl/spans"
 NEXT_SPAN_PATH = "/v1/agl/spans/next"
 _ROLLOUTS_PREFIX = "/v1/agl/rollouts/"
+_RESOURCES_PREFIX = "/v1/agl/resources/"
+RESOURCE_ROUTE = "/v1/agl/resources/<str:resources_id>"
 _ACCEPTS = (None, b"*/*", b"application/json")
 _JSON = b"application/json"
 
@@ -68,7 +75,6 @@ _ATTEMPT = s.AttemptOut()
 _REFUSED_NULLS = ("status", "worker_id", "last_heartbeat_time", "metadata")
 _NEXT_SPAN_FIELDS = s.NextSequenceIdIn().fields
 _SPAN = s.SpanOut()
-_NEXT_SPAN = s.NextSequenceIdOut()
 
 
 def _allow(view: type) -> bytes:
@@ -99,6 +105,12 @@ def _spans_view() -> type:
     return SpansEndpoint
 
 
+def _resource_view() -> type:
+    from store.api.urls import ResourceEndpoint
+
+    return ResourceEndpoint
+
+
 _ATTEMPT_VIEW = _attempt_view()
 _ATTEMPT_ALLOW = _allow(_ATTEMPT_VIEW)
 _ATTEMPT_ROLES = _roles(_ATTEMPT_VIEW)
@@ -109,13 +121,26 @@ _NEXT_SPAN_VIEW = v.NextSpanSequenceIdView
 _NEXT_SPAN_ALLOW = _allow(_NEXT_SPAN_VIEW)
 _NEXT_SPAN_ROLES = _roles(_NEXT_SPAN_VIEW)
 
+_RESOURCE_VIEW = _resource_view()
+_RESOURCE_ALLOW = _allow(_RESOURCE_VIEW)
+_RESOURCE_GET_ROLES = frozenset(getattr(_RESOURCE_VIEW, "get_roles", ANY_ROLE))
+_RESOURCES = s.ResourcesUpdateOut()
+
 Handler = Callable[[dict[bytes, bytes], str, bytes], Answer | None]
 
 
 def route(method: str, path: str, query_string: bytes) -> tuple[str, Handler] | None:
     """The (route label, handler) of a request this path may answer, or None (cheap: it
     runs on the event loop)."""
-    if method != "POST" or query_string:
+    if query_string:
+        return None
+    if method == "GET":
+        if path.startswith(_RESOURCES_PREFIX):
+            resources_id = path[len(_RESOURCES_PREFIX):]
+            if resources_id and "/" not in resources_id and resources_id != "latest":
+                return RESOURCE_ROUTE, get_resources
+        return None
+    if method != "POST":
         return None
     if path == DEQUEUE_PATH:
         return DEQUEUE_ROUTE, dequeue
@@ -181,6 +206,10 @@ def _answer(allow: bytes, build: Callable[[], tuple[Any, set[str]]], status: int
     except Exception:
         log.exception("lean path: the answer failed after the write")
         return _FAILED
+    return _answered(allow, status, content, cancelled)
+
+
+def _answered(allow: bytes, status: int, content: bytes, cancelled: set[str]) -> Answer:
     headers = fastpath._headers()
     headers[0] = (b"content-type", _JSON)
     headers[1] = (b"allow", allow)
@@ -306,12 +335,27 @@ def update_attempt(headers: dict[bytes, bytes], path: str, body: bytes) -> Answe
     return _answer(_ATTEMPT_ALLOW, build)
 
 
+def _plain_id(value: Any) -> bool:
+    """A string `StrictCharField(max_length=ID_MAX)` keeps as it is: printable ASCII (no
+    NUL, no surrogate), neither blank nor too long."""
+    return type(value) is str and 0 < len(value) <= s.ID_MAX and value.isascii() \
+        and value.isprintable()
+
+
+def _next_span_fields(payload: dict) -> dict | None:
+    """NextSequenceIdIn's validated data: the common case (two plain ids) checked here,
+    anything else by the serializer's own fields."""
+    rollout_id, attempt_id = payload.get("rollout_id"), payload.get("attempt_id")
+    if _plain_id(rollout_id) and _plain_id(attempt_id):
+        return {"rollout_id": rollout_id, "attempt_id": attempt_id}
+    return _validated(_NEXT_SPAN_FIELDS, payload)
+
+
 def next_span_sequence_id(headers: dict[bytes, bytes], path: str, body: bytes
                           ) -> Answer | None:
     """NextSpanSequenceIdView's answer, or None: let Django answer. One UPDATE in
     autocommit, which checks the key too (`services.span_next_sequence_id`)."""
-    checked = _checked(headers, path, body, _NEXT_SPAN_ROLES,
-                       lambda payload: _validated(_NEXT_SPAN_FIELDS, payload))
+    checked = _checked(headers, path, body, _NEXT_SPAN_ROLES, _next_span_fields)
     if checked is None:
         return None
     key, data = checked
@@ -324,13 +368,16 @@ def next_span_sequence_id(headers: dict[bytes, bytes], path: str, body: bytes
         # Nothing reserved (unknown rollout, dead key): Django's path answers, in its words.
         log.debug("spans/next fast path: falling back to Django", exc_info=True)
         return None
-    return _answer(_NEXT_SPAN_ALLOW,
-                   lambda: (_NEXT_SPAN.to_representation({"sequence_id": sequence_id}), set()))
+    # NextSequenceIdOut rendered: one integer field, compact JSON.
+    return _answered(_NEXT_SPAN_ALLOW, 200, b'{"sequence_id":%d}' % sequence_id, set())
+
+
+_SPAN_FIELD = s.SpanField()
 
 
 def _span_field(payload: dict) -> Any:
     try:
-        return s.SpanField().run_validation(payload)  # AddSpanView's check
+        return _SPAN_FIELD.run_validation(payload)  # AddSpanView's check
     except Exception:
         return None
 
@@ -358,3 +405,27 @@ def add_span(headers: dict[bytes, bytes], path: str, body: bytes) -> Answer | No
                  ingested.cancelled),
         status=201,
     )
+
+
+def get_resources(headers: dict[bytes, bytes], path: str, body: bytes) -> Answer | None:
+    """GetResourcesView's answer (the latest version; `?version=` goes to Django), or None:
+    let Django answer. AGL 0.3's runner reads its rollout's resources this way before every
+    rollout. One statement reads the latest version and checks the key
+    (`selectors.resources_get_lean`)."""
+    if body or headers.get(b"content-encoding") or headers.get(b"x-forwarded-host"):
+        return None
+    if headers.get(b"accept", None) not in _ACCEPTS or not (path.isascii()
+                                                            and path.isprintable()):
+        return None
+    key = fastpath.lean_key(headers, _RESOURCE_GET_ROLES)
+    if key is None or not _swept(key.project.pk):
+        return None
+    try:
+        row = selectors.resources_get_lean(project=key.project, live_key=key.live_check,
+                                           resources_id=path[len(_RESOURCES_PREFIX):])
+    except Exception:
+        log.debug("get resources fast path: falling back to Django", exc_info=True)
+        return None
+    if row is None:  # unknown (or another project's) id, a dead key: Django's words
+        return None
+    return _answer(_RESOURCE_ALLOW, lambda: (_RESOURCES.to_representation(row), set()))

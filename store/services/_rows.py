@@ -13,7 +13,7 @@ import time
 
 import orjson
 import psycopg
-from django.db import connection
+from django.db import DEFAULT_DB_ALIAS, connection, connections
 from django.db.models import JSONField, Model
 
 from store.models import ApiKey, Attempt, Project, Rollout
@@ -228,17 +228,17 @@ def fetch_one_prepared(sql: str, params: list) -> tuple | None:
     Django's own cursors bind server-side too and are prepared from their fifth run
     (core/env.py); this one is prepared at its first. Errors are Django's, as from
     its cursors, and the statement is logged where Django logs queries."""
-    connection.ensure_connection()
-    connection.validate_thread_sharing()
-    raw = connection.connection
-    prepare = connection.settings_dict.get("PREPARED_STATEMENTS", True)
+    db = connections[DEFAULT_DB_ALIAS]  # `connection`, looked up once, not per attribute
+    db.ensure_connection()
+    db.validate_thread_sharing()
+    raw = db.connection
+    prepare = db.settings_dict.get("PREPARED_STATEMENTS", True)
     if prepare and raw.prepare_threshold is None:
         raw.prepare_threshold = 2**31 - 1  # only what asks for it (prepare=True)
     started = time.monotonic()
-    with connection.wrap_database_errors, psycopg.Cursor(raw) as cursor:
+    with db.wrap_database_errors, psycopg.Cursor(raw) as cursor:
         cursor.execute(sql, params, prepare=prepare)
         row = cursor.fetchone()
-    if connection.queries_logged:
-        connection.queries_log.append(
-            {"sql": sql, "time": f"{time.monotonic() - started:.3f}"})
+    if db.queries_logged:
+        db.queries_log.append({"sql": sql, "time": f"{time.monotonic() - started:.3f}"})
     return row

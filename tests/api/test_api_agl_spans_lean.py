@@ -120,6 +120,8 @@ def test_routes_are_the_urls_django_resolves():
     {},  # AGL's client sends both ids; Django needs them
     {"attempt_id": "at-nope"},  # any attempt id of a known rollout will do, as in AGL
     {"extra": [1]},
+    {"attempt_id": "at-\u00e9\u2028 "},  # not plain ASCII: the serializer's fields accept it
+    {"attempt_id": "a" * 40},  # the longest id
 ])
 def test_next_sequence_id_answers_what_django_answers(api_server, project, key, body):
     ids = _three(project)
@@ -226,6 +228,12 @@ def _bad_next(rid: str, aid: str, other: tuple[str, str]) -> list[bytes]:
         json.dumps({"rollout_id": rid, "attempt_id": None}).encode(),
         json.dumps({"rollout_id": [rid], "attempt_id": aid}).encode(),
         json.dumps({"rollout_id": "r" * 300, "attempt_id": aid}).encode(),
+        # What the plain-id check (fastjson._plain_id) leaves to the serializer's fields:
+        json.dumps({"rollout_id": rid, "attempt_id": ""}).encode(),  # blank
+        json.dumps({"rollout_id": rid, "attempt_id": "a" * 41}).encode(),  # one too long
+        json.dumps({"rollout_id": rid, "attempt_id": "a\u0000b"}).encode(),  # NUL
+        b'{"rollout_id": "' + rid.encode() + b'", "attempt_id": "\\ud800"}',  # surrogate
+        json.dumps({"rollout_id": True, "attempt_id": aid}).encode(),
         json.dumps({"rollout_id": "ro-nope", "attempt_id": aid}).encode(),  # unknown: 404
         json.dumps({"rollout_id": other[0], "attempt_id": other[1]}).encode(),  # other project
     ]
