@@ -148,7 +148,9 @@ class EngineProcess:
             engine.check_prompt(seq.prompt_ids)
         job = RemoteJob(engine, sequences, tenant, on_done=on_done)
         jid = next(self._ids)
-        specs = [(list(s.prompt_ids), s.params, s.index) for s in sequences]
+        # each token sent back as it comes only where someone streams it
+        specs = [(list(s.prompt_ids), s.params, s.index, s.on_token is not None)
+                 for s in sequences]
         with self._lock:
             if self._closed:
                 raise engine_unavailable()

@@ -7,10 +7,10 @@ The gateway process starts it (`multiprocessing`, spawn) and talks to it over on
   loading thread (calls of other engines keep decoding meanwhile); answered `("loaded", eid,
   facts)` or `("load_failed", eid, error)`;
 - `("unload", eid)`: the gateway dropped it (requests running on it finish on it);
-- `("submit", jid, eid, tenant, [(prompt_ids, params, index), ...])`: a request, decoded by
-  the batcher (batcher.py) once its engine is loaded; answered by `("token", jid, position,
-  token, logprob, top, text, finish_reason)` per generated token (streaming) and one
-  `("done", jid, error, [final state of each sequence])`;
+- `("submit", jid, eid, tenant, [(prompt_ids, params, index, streamed), ...])`: a request,
+  decoded by the batcher (batcher.py) once its engine is loaded; answered by `("token", jid,
+  position, token, logprob, top, text, finish_reason)` per generated token of a streamed
+  sequence and one `("done", jid, error, [final state of each sequence])`;
 - `("stop",)`.
 Out, messages go in lists (what a decode step produced, one write). When the gateway's end of
 the pipe closes (the gateway died), this process exits.
@@ -118,8 +118,9 @@ class _Serving:
                      seq.finish_reason))
 
         sequences = []
-        for i, (prompt_ids, params, index) in enumerate(specs):
-            seq = Sequence_(list(prompt_ids), params, index=index, on_token=on_token)
+        for i, (prompt_ids, params, index, streamed) in enumerate(specs):
+            seq = Sequence_(list(prompt_ids), params, index=index,
+                            on_token=on_token if streamed else None)
             position[id(seq)] = i
             sequences.append(seq)
 
