@@ -123,6 +123,7 @@ class EngineProcess:
         with self._lock:
             self._loads[eid] = waiter
             self._send(("load", eid, str(path), kwargs))
+            generation = self.generation
         if not waiter.done.wait(self.load_timeout):
             with self._lock:
                 self._loads.pop(eid, None)
@@ -133,6 +134,8 @@ class EngineProcess:
         engine = RemoteEngine(eid, str(path), kwargs, waiter.facts, tokenizer)
         with self._lock:
             self._engines[eid] = engine
+            if self.generation != generation:  # restarted since it loaded: load it there too
+                self._send(("load", eid, str(path), kwargs))
         weakref.finalize(engine, self._unload, eid)
         return engine
 
