@@ -171,3 +171,19 @@ def test_hot_reload_under_16_concurrent_callers(process_gateway, keyed, model_di
     assert llm_spans(rid)[-1].attributes[c.LLM_VERSION] == 3
     with pytest.raises(openai.NotFoundError):
         client(base, key).chat.completions.create(model="missing", messages=MESSAGES)
+
+
+def test_calls_right_after_a_restart_wait_for_the_new_engine_process(process_gateway, keyed):
+    """Killed between calls: nothing fails, and a call sent while the new process is still
+    starting (importing torch, loading the model) waits for it there and is answered."""
+    gateway, base = process_gateway
+    project, key, *_ = keyed
+    engines = gateway.batcher
+    rid, aid = started_attempt(project)
+    os.kill(engines.pid, signal.SIGKILL)
+    wait_until(lambda: engines.restarts == 1)
+    stream = client(base, key, rid, aid).chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=4, stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == \
+        gateway.registry.by_name("tiny").decode(llm_spans(rid)[0].attributes[c.LLM_RESPONSE_IDS])
+    assert len(llm_spans(rid)) == 1 and engines.restarts == 1
