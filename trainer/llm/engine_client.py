@@ -37,8 +37,9 @@ from trainer.llm.openai_api import BadRequest
 log = logging.getLogger(__name__)
 
 
-class EngineLoadFailed(RuntimeError):
-    """The engine process could not load a checkpoint (its message says why)."""
+class EngineLoadFailed(ValueError):
+    """The engine process could not load a checkpoint (its message says why: the error
+    there, e.g. `ModelError: ...`)."""
 
 
 class EngineStopped(BadRequest):

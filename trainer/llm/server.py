@@ -57,11 +57,16 @@ def build_gateway(*, models: list[str] | None = None, upstream_url: str | None =
         runtime_lora=settings.LLM_GATEWAY_ALLOW_RUNTIME_LORA_UPDATING,
         upstream_keep=settings.LLM_GATEWAY_MAX_VERSIONS,
     )
-    for spec in [*settings.LLM_GATEWAY_MODELS, *(models or [])]:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"a served model is 'name=path', not {spec!r}")
-        gateway.registry.add_directory(name, path)
+    try:
+        for spec in [*settings.LLM_GATEWAY_MODELS, *(models or [])]:
+            name, sep, path = spec.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"a served model is 'name=path', not {spec!r}")
+            gateway.registry.add_directory(name, path)
+    except BaseException:
+        if isinstance(batcher, EngineProcess):  # not left running for a gateway that is not
+            batcher.close()
+        raise
     return gateway
 
 
