@@ -89,10 +89,32 @@ def stop(process: subprocess.Popen) -> None:
         process.wait(10)
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (Linux /proc), its threads included."""
+def cpu_seconds(pid: int, children: bool = True) -> float:
+    """User + system CPU time of a process (Linux /proc), its threads included, and with
+    `children` its live child processes' (the gateway's engine process)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    total = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    if children:
+        for kid in _children(pid):
+            try:
+                total += cpu_seconds(kid)
+            except OSError:  # it ended meanwhile
+                pass
+    return total
+
+
+def _children(pid: int) -> list[int]:
+    """The live processes whose parent is `pid` (/proc/<n>/stat's 4th field)."""
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return kids
 
 
 def running_attempts(project, n: int) -> list[tuple[str, str]]:

@@ -136,9 +136,9 @@ def run(max_tokens: int = 8) -> None:
             cpu = {name: 0.0 for name in paths}
             for _ in range(2):
                 for name, (call, pid) in paths.items():
-                    before = cpu_seconds(pid)
+                    before = cpu_seconds(pid, children=name != "direct")
                     lat[name] += run_sessions(call, per, sessions)[0]
-                    cpu[name] += cpu_seconds(pid) - before
+                    cpu[name] += cpu_seconds(pid, children=name != "direct") - before
             results[sessions] = (lat, {n: 1000 * cpu[n] / len(lat[n]) for n in paths})
             time.sleep(0.5)
         recorded = Span.objects.filter(rollout__project=project).count()

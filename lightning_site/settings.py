@@ -389,6 +389,10 @@ LLM_GATEWAY_POLL_SECONDS = env_float("LLM_GATEWAY_POLL_SECONDS", 1.0, minimum=0.
 # than they bring (seen here: 20 ms per token alone with 2 threads, 3 ms with 1). Raise it
 # for large models served on a CPU; on CUDA it does not matter.
 LLM_GATEWAY_TORCH_THREADS = env_int("LLM_GATEWAY_TORCH_THREADS", 1, minimum=0)
+# `llm_serve`: the models, decode loop and batcher in a process of their own (spawned and
+# supervised by the gateway, trainer/llm/engine_client.py), away from the GIL of the process
+# doing HTTP, authentication and recording. Off: all in one process (as the embedded default).
+LLM_GATEWAY_ENGINE_PROCESS = env_bool("LLM_GATEWAY_ENGINE_PROCESS", True)
 # Upstream mode: forward to this OpenAI-compatible server (vLLM, SGLang) instead of a local
 # engine, recording the token ids it returns.
 LLM_GATEWAY_UPSTREAM_URL = env_str("LLM_GATEWAY_UPSTREAM_URL")

@@ -3,6 +3,7 @@ a gateway serving it over real HTTP (uvicorn in a thread), a project with a key.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,7 +35,9 @@ def keyed(transactional_db: None):
 
 @pytest.fixture
 def gateway_server(model_dir: Path, transactional_db: None) -> Iterator[tuple]:
-    gateway = build_gateway(models=[f"tiny={model_dir}"])
+    # LLM_TEST_ENGINE_PROCESS=1: the same tests with the engine in its own process
+    gateway = build_gateway(models=[f"tiny={model_dir}"],
+                            engine_process=os.environ.get("LLM_TEST_ENGINE_PROCESS") == "1")
     server = ServerThread(gateway.app()).start()
     try:
         yield gateway, f"http://127.0.0.1:{server.port}"

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from trainer.llm.batcher import Batcher
-from trainer.llm.engine import Params, Sequence_
+from trainer.llm.engine import Engine, Params, Sequence_
 
 pytestmark = pytest.mark.slow
 MESSAGES = [{"role": "user", "content": "abc 7"}]
@@ -22,11 +22,10 @@ def _greedy(ids, max_tokens, on_token=None, index=0):
                                        ignore_eos=True), index=index, on_token=on_token)
 
 
-def test_a_request_joins_a_batch_in_progress_and_decodes_as_alone(gateway_server):
+def test_a_request_joins_a_batch_in_progress_and_decodes_as_alone(model_dir):
     """Continuous batching: b's request starts at the next step of a's generation, finishes
     while a is still decoding, and gets the tokens it gets alone."""
-    gateway, _ = gateway_server
-    engine = gateway.registry.by_name("tiny")
+    engine = Engine(model_dir, name="tiny")  # in this process, whatever the gateway's layout
     ids = engine.tokenizer("abc 7")["input_ids"]
     room = engine.context - len(ids)
     alone = _greedy(ids, 4)
@@ -57,11 +56,10 @@ def test_a_request_joins_a_batch_in_progress_and_decodes_as_alone(gateway_server
     assert batcher.batches == 2 and batcher.largest == 5
 
 
-def test_a_tenant_with_nothing_decoding_joins_a_full_batch_before_the_flood(gateway_server):
+def test_a_tenant_with_nothing_decoding_joins_a_full_batch_before_the_flood(model_dir):
     """a's 4 requests of 4 sequences each, batch of 8: a's first two fill it; b's request
     joins at once (over max_batch by b's one sequence), before a's queued two start."""
-    gateway, _ = gateway_server
-    engine = gateway.registry.by_name("tiny")
+    engine = Engine(model_dir, name="tiny")  # in this process, whatever the gateway's layout
     ids = engine.tokenizer("abc 7")["input_ids"]
     room = engine.context - len(ids)
     batcher = Batcher(window=0.3, max_batch=8)

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from trainer.llm.batcher import Batcher
-from trainer.llm.engine import Params, Sequence_
+from trainer.llm.engine import Engine, Params, Sequence_
 
 pytestmark = pytest.mark.slow
 MESSAGES = [{"role": "user", "content": "abc 7"}]
@@ -116,11 +116,10 @@ def test_bad_and_good_requests_released_together_fail_only_the_bad(gateway_serve
     assert results["b"] == [200] * 4
 
 
-def test_a_batch_that_fails_decodes_each_request_alone(gateway_server):
+def test_a_batch_that_fails_decodes_each_request_alone(model_dir):
     """Below the gateway's checks: a request the engine fails on, batched with a good one,
     fails alone."""
-    gateway, _ = gateway_server
-    engine = gateway.registry.by_name("tiny")
+    engine = Engine(model_dir, name="tiny")  # in this process, whatever the gateway's layout
     good_ids = engine.tokenizer("abc 7")["input_ids"]
     batcher = Batcher(window=0.5)
     bad = batcher.submit(engine, [Sequence_([10**9], Params(max_tokens=2))])

@@ -105,6 +105,7 @@ class Engine:
                                                         device=self.device, base=base)
             self.model, self.tokenizer, self.lock = (self.shared.model, self.shared.tokenizer,
                                                      self.shared.lock)
+            self.tokenizer_dir = str(self.shared.directory)
             weakref.finalize(self, self.shared.drop, self.adapter)
         else:
             if lora.is_adapter(self.path):  # a base of its own, the adapter merged in
@@ -113,6 +114,7 @@ class Engine:
                 directory = models.resolve(self.path)
                 self.model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
             self.tokenizer = AutoTokenizer.from_pretrained(directory)
+            self.tokenizer_dir = str(directory)  # where its tokenizer came from
             self.model.to(self.device).eval()
         # Requests of engines with the same key decode in one batch (batcher.py).
         self.batch_key = id(self.shared) if self.shared is not None else id(self)
@@ -121,6 +123,7 @@ class Engine:
         self.context = int(getattr(config, "n_positions", None)
                            or getattr(config, "max_position_embeddings", 2048))
         self.eos_ids = _eos_ids(self.tokenizer, config)
+        self.vocab_size = int(getattr(config, "vocab_size", 0) or 0)  # rows of its embedding
         self.pad_id = self.tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.eos_ids[0] if self.eos_ids else 0

@@ -112,6 +112,8 @@ class Gateway:
             future.result()
         self._db.shutdown(wait=True)
         self.recorder.close()
+        if hasattr(self.batcher, "close"):  # the engine process (engine_client.py)
+            self.batcher.close()
 
     # --- the app ------------------------------------------------------------------------------
     def app(self) -> Starlette:
@@ -678,7 +680,7 @@ def _facts(engine: Engine) -> tuple[int, int]:
     if key not in _token_facts:
         # An id must have a row in the model's embedding and a token in the tokenizer.
         size = len(engine.tokenizer)
-        size = min(size, int(getattr(engine.model.config, "vocab_size", 0) or size))
+        size = min(size, engine.vocab_size or size)
         longest = max((len(token) for token in engine.tokenizer.get_vocab()), default=1)
         _token_facts[key] = (size, max(longest, 1))
     return _token_facts[key]

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainer.llm.engine import Engine
+from trainer.llm.engine_client import EngineStopped
 
 log = logging.getLogger(__name__)
 DEPLOYMENT = 0  # the project id of the deployment's own models
@@ -74,19 +75,22 @@ class _Model:
 class Registry:
     def __init__(self, *, max_versions: int = 2, max_spaces: int = 4,
                  loader: Callable[[dict[str, Any], str, int], Engine] | None = None,
-                 share_base: bool = False) -> None:
+                 share_base: bool = False,
+                 make_engine: Callable[..., Engine] | None = None) -> None:
         self.max_versions = max_versions
         self.max_spaces = max_spaces  # per project
         self._models: dict[Space, _Model] = {}
         self._lock = threading.Lock()
+        # Engine(path, **kwargs) in this process, or the engine process's (engine_client.py)
+        self.make_engine = make_engine or Engine
         # share_base: LoRA checkpoints as adapters on one copy of their base (adapters.py)
         self._loader = loader or (lambda checkpoint, name, version: _load_checkpoint(
-            checkpoint, name, version, share_base=share_base))
+            checkpoint, name, version, share_base=share_base, make_engine=self.make_engine))
         self.loads = 0  # versions loaded so far (hot reloads included)
 
     def add_directory(self, name: str, path: str, version: int = 0) -> Engine:
         return self._install(Space(DEPLOYMENT, "", name), version,
-                             lambda: Engine(path, version=version, name=name))
+                             lambda: self.make_engine(path, version=version, name=name))
 
     def names(self, project_id: int = DEPLOYMENT) -> list[str]:
         """The model names a project may call: the deployment's and its own."""
@@ -220,12 +224,15 @@ class Registry:
 
 
 def _load_checkpoint(checkpoint: dict[str, Any], name: str, version: int, *,
-                     share_base: bool = False) -> Engine:
+                     share_base: bool = False,
+                     make_engine: Callable[..., Engine] = Engine) -> Engine:
     from trainer.checkpoints import CheckpointError, checkpoint_local_dir
 
     local = checkpoint_local_dir(checkpoint)  # a storage that is away raises its own error
     try:
-        return Engine(local, version=version, name=name, share_base=share_base)
+        return make_engine(local, version=version, name=name, share_base=share_base)
+    except EngineStopped:  # the engine process died while loading: not the checkpoint's fault
+        raise
     except Exception as exc:  # the files are here and are not a model: that will not change
         raise CheckpointError(f"checkpoint {checkpoint.get('name')!r} is not a model that "
                               f"loads ({type(exc).__name__}: {exc})") from exc

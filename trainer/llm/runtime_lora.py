@@ -34,7 +34,6 @@ from starlette.routing import Route
 
 from store.api.auth import ALGORITHM_ROLES, authenticate_key
 from trainer.llm import adapters, calls, lora, models
-from trainer.llm.engine import Engine
 from trainer.llm.registry import AlreadyLoaded, Registry, TooManyAdapters
 
 log = logging.getLogger(__name__)
@@ -129,7 +128,7 @@ class RuntimeLoRA:
             raise _Refused(f"the LoRA adapter in {path} was trained on a base model with sha256 "
                            f"{recorded[:16]}..., which this gateway has not loaded")
         try:
-            self.registry.add_runtime(project_id, name, lambda: Engine(
+            self.registry.add_runtime(project_id, name, lambda: self.registry.make_engine(
                 directory, name=name, share_base=True, base=base))
         except AlreadyLoaded:
             raise _Refused(f"The lora adapter '{name}' has already been loaded.",

@@ -11,6 +11,7 @@ from typing import Any
 from django.conf import settings
 
 from trainer.llm.batcher import Batcher
+from trainer.llm.engine_client import EngineProcess
 from trainer.llm.gateway import Gateway
 from trainer.llm.registry import Registry
 
@@ -18,8 +19,10 @@ log = logging.getLogger(__name__)
 
 
 def build_gateway(*, models: list[str] | None = None, upstream_url: str | None = None,
-                  upstream_key: str | None = None) -> Gateway:
-    """A gateway from settings (LLM_GATEWAY_*), with `models` ("name=path") served as well."""
+                  upstream_key: str | None = None, engine_process: bool = False) -> Gateway:
+    """A gateway from settings (LLM_GATEWAY_*), with `models` ("name=path") served as well.
+    `engine_process`: the models and the decode loop in a process of their own
+    (engine_client.py; `llm_serve` passes LLM_GATEWAY_ENGINE_PROCESS), else in this one."""
     from trainer.llm.upstream import Upstream
 
     quiet_transformers()
@@ -32,12 +35,19 @@ def build_gateway(*, models: list[str] | None = None, upstream_url: str | None =
     if upstream_url:
         upstream = Upstream(upstream_url, api_key=upstream_key if upstream_key is not None
                             else settings.LLM_GATEWAY_UPSTREAM_KEY)
+    window, max_batch = settings.LLM_GATEWAY_BATCH_WINDOW_MS / 1000, settings.LLM_GATEWAY_MAX_BATCH
+    batcher: Batcher | EngineProcess
+    if engine_process and not upstream:
+        batcher = EngineProcess(window=window, max_batch=max_batch,
+                                torch_threads=settings.LLM_GATEWAY_TORCH_THREADS)
+        make_engine = batcher.engine
+    else:
+        batcher, make_engine = Batcher(window=window, max_batch=max_batch), None
     gateway = Gateway(
         registry=Registry(max_versions=settings.LLM_GATEWAY_MAX_VERSIONS,
                           max_spaces=settings.LLM_GATEWAY_MAX_MODELS_PER_PROJECT,
-                          share_base=settings.LLM_GATEWAY_SHARE_BASE),
-        batcher=Batcher(window=settings.LLM_GATEWAY_BATCH_WINDOW_MS / 1000,
-                        max_batch=settings.LLM_GATEWAY_MAX_BATCH),
+                          share_base=settings.LLM_GATEWAY_SHARE_BASE, make_engine=make_engine),
+        batcher=batcher,
         upstream=upstream, poll_seconds=settings.LLM_GATEWAY_POLL_SECONDS,
         max_body_bytes=settings.LLM_GATEWAY_MAX_BODY_BYTES,
         body_timeout=settings.LLM_GATEWAY_BODY_TIMEOUT_SECONDS,
@@ -47,11 +57,16 @@ def build_gateway(*, models: list[str] | None = None, upstream_url: str | None =
         runtime_lora=settings.LLM_GATEWAY_ALLOW_RUNTIME_LORA_UPDATING,
         upstream_keep=settings.LLM_GATEWAY_MAX_VERSIONS,
     )
-    for spec in [*settings.LLM_GATEWAY_MODELS, *(models or [])]:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"a served model is 'name=path', not {spec!r}")
-        gateway.registry.add_directory(name, path)
+    try:
+        for spec in [*settings.LLM_GATEWAY_MODELS, *(models or [])]:
+            name, sep, path = spec.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"a served model is 'name=path', not {spec!r}")
+            gateway.registry.add_directory(name, path)
+    except BaseException:
+        if isinstance(batcher, EngineProcess):  # not left running for a gateway that is not
+            batcher.close()
+        raise
     return gateway
 
 

@@ -28,12 +28,16 @@ class Command(BaseCommand):
 
         try:
             gateway = build_gateway(models=options["model"], upstream_url=options["upstream"],
-                                    upstream_key=options["upstream_key"])
+                                    upstream_key=options["upstream_key"],
+                                    engine_process=settings.LLM_GATEWAY_ENGINE_PROCESS)
         except (ValueError, OSError) as exc:  # a bad NAME=PATH, a directory with no model
             raise CommandError(f"cannot serve: {exc}") from None
         where = f"http://{options['host']}:{options['port']}/v1"
         mode = f"forwarding to {options['upstream']}" if options["upstream"] else (
             "models: " + (", ".join(gateway.registry.names()) or "those jobs publish"))
         self.stdout.write(f"model gateway on {where} ({mode})")
-        uvicorn.run(gateway.app(), host=options["host"], port=options["port"],
-                    log_level="warning")
+        try:
+            uvicorn.run(gateway.app(), host=options["host"], port=options["port"],
+                        log_level="warning")
+        finally:
+            gateway.close()  # the engine process too
