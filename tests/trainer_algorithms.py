@@ -63,3 +63,21 @@ class AbortsAfterUpdateGRPO(GRPO):
         if distributed.world()[0] == 1:
             os.abort()
         return out
+
+
+class GangHoldGRPO(GRPO):
+    """A gang step whose every rank writes its pid into `pid_dir` (as rank<global rank>) and,
+    while `hold_marker` does not exist, sleeps once all ranks are there (a test kills a
+    member then); later tries train normally."""
+
+    def update(self, **kwargs):
+        from trainer import distributed
+
+        rank, size = distributed.world()
+        pid_dir = Path(self.config["pid_dir"])
+        (pid_dir / f"rank{rank}").write_text(str(os.getpid()))
+        if not Path(self.config["hold_marker"]).exists():
+            while len(list(pid_dir.iterdir())) < size:
+                time.sleep(0.05)
+            time.sleep(600)
+        return super().update(**kwargs)
