@@ -81,3 +81,14 @@ class GangHoldGRPO(GRPO):
                 time.sleep(0.05)
             time.sleep(600)
         return super().update(**kwargs)
+
+
+class FixedBatchGRPO(GRPO):
+    """GRPO whose every step trains on one fixed batch: 7 tasks x 5 episodes acted by
+    checkpoint 0 (`act_samples`, seed 4; 35 samples, so 4 ranks' shards differ in size),
+    the same on every node and in the test that checks the update against one process."""
+
+    def samples(self, rollouts):
+        from examples.cipher.task import act_samples
+
+        return act_samples(self.init_state()["model"], tasks=7, group_size=5, seed=4)
