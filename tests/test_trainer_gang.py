@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import os
 import signal
+from datetime import timedelta
+from io import StringIO
 
 import psutil
 import pytest
+from django.core.management import call_command
+from django.utils import timezone
 
 from examples.cipher import job_spec
 from store import selectors as store_selectors
@@ -53,7 +57,8 @@ def test_nodes_must_divide_world_size_and_run_ddp(config, message):
 
 
 @pytest.mark.django_db
-def test_a_gang_starts_only_when_every_node_joined_and_a_lone_member_gives_its_place_back():
+def test_a_gang_starts_only_when_every_node_joined_and_a_lone_member_gives_its_place_back(
+        admin_client):
     job = gang_job("gang-rows")
     services.job_start(job_id=job.pk)
     step = job.steps.get(n=0)
@@ -63,7 +68,7 @@ def test_a_gang_starts_only_when_every_node_joined_and_a_lone_member_gives_its_p
     first = gang.gang_join(step_id=step.pk, worker="celery:training-a@h:11")
     assert first is not None and first.node_rank == 0 and first.attempt == 1
     assert gang.gang_join(step_id=step.pk, worker="celery:training-a@h:11") is None  # twice
-    gang.gang_master_set(member_id=first.pk, port=29555, backend="gloo")
+    gang.gang_master_set(addr="127.0.0.1", member_id=first.pk, port=29555, backend="gloo")
     assert gang.gang_start(member_id=first.pk) == "waiting"  # one node missing: nothing starts
     step.refresh_from_db()
     assert (step.status, step.attempts) == (StepStatus.READY, 0)
@@ -71,6 +76,15 @@ def test_a_gang_starts_only_when_every_node_joined_and_a_lone_member_gives_its_p
     print(f"\nwaiting: {reason}")
     assert reason == ("gang of 2 training workers: 1 joined (celery:training-a@h:11), waiting "
                       "for 1 more; live training workers that fit: 1 (training-a@h)")
+    # Where operators look (the registry here has no live worker):
+    shown = "gang of 2 training workers: 1 joined (celery:training-a@h:11), waiting for 1 more"
+    out = StringIO()
+    call_command("train_show", str(job.pk), stdout=out)
+    assert f"waiting: {shown}" in out.getvalue()
+    out = StringIO()
+    call_command("queue_watch", "gang-rows", "--once", stdout=out)
+    assert f"training step 0 of job {job.pk}: waiting: {shown}" in out.getvalue()
+    assert shown in admin_client.get(f"/jobs/{job.pk}/").content.decode()
 
     assert gang.gang_release(member_id=first.pk)  # the bounded wait ran out: it leaves
     assert not GangMember.objects.filter(step=step).exists()
@@ -83,8 +97,9 @@ def test_a_gang_starts_only_when_every_node_joined_and_a_lone_member_gives_its_p
     assert (b.node_rank, a.node_rank) == (0, 1)  # the smallest free rank, first come
     assert gang.gang_join(step_id=step.pk, worker="celery:training-c@h:33") is None  # full
     assert gang.gang_start(member_id=a.pk) == "waiting"  # node 0 has no address yet
-    gang.gang_master_set(member_id=b.pk, port=29556, backend="gloo")
-    gang.gang_master_set(member_id=a.pk, port=29557, backend="gloo")  # not node 0: ignored
+    gang.gang_master_set(addr="127.0.0.1", member_id=b.pk, port=29556, backend="gloo")
+    # not node 0: ignored
+    gang.gang_master_set(addr="127.0.0.1", member_id=a.pk, port=29557, backend="gloo")
     assert gang.gang_start(member_id=a.pk) == "started"  # claimed for both, by either
     assert gang.gang_start(member_id=b.pk) == "started"
     assert not gang.gang_release(member_id=b.pk)  # started: no leaving now
@@ -223,3 +238,25 @@ def test_kill_9_of_one_gang_member_fails_the_try_on_every_member_and_the_step_is
     assert sorted(versions) == list(range(1, len(versions) + 1)) == [1, 2]
     assert step.produced_version == 2
     assert GangMember.objects.filter(step=step, attempt=2).count() == 2
+
+
+@pytest.mark.django_db
+def test_a_member_that_died_while_gathering_loses_its_place_and_node_0_goes_to_the_next():
+    job = gang_job("gang-silent", gang_peer_timeout_seconds=30)
+    services.job_start(job_id=job.pk)
+    step = job.steps.get(n=0)
+    TrainingStep.objects.filter(pk=step.pk).update(status=StepStatus.READY)
+    dead = gang.gang_join(step_id=step.pk, worker="celery:training-a@h:11")
+    gang.gang_master_set(addr="127.0.0.1", member_id=dead.pk, port=29555, backend="gloo")
+    alive = gang.gang_join(step_id=step.pk, worker="celery:training-b@h:22")
+    assert (dead.node_rank, alive.node_rank) == (0, 1)
+    # node 0 was killed while it waited: it polls no more
+    GangMember.objects.filter(pk=dead.pk).update(seen_at=timezone.now() - timedelta(seconds=31))
+    assert gang.gang_start(member_id=alive.pk) == "waiting"  # not started with a dead member
+    assert not GangMember.objects.filter(pk=dead.pk).exists()
+    after = gang.gang_join(step_id=step.pk, worker="celery:training-c@h:33")
+    assert after.node_rank == 0
+    gang.gang_master_set(addr="127.0.0.1", member_id=after.pk, port=29556, backend="gloo")
+    assert gang.gang_start(member_id=alive.pk) == "started"
+    step.refresh_from_db()
+    assert (step.attempts, step.worker) == (1, "celery:training-c@h:33")

@@ -63,12 +63,12 @@ def step_train(*, step_id: int, worker: str, retry: RetryPolicy = DB_RETRY) -> s
         return "skipped"
     store = None
     if member.node_rank == 0:
-        store, port = distributed.master_store(settings.TRAINING_GANG_ADDR,
-                                               float(config["gang_wait_seconds"]) + 60)
-        local = distributed.world_size_of(config) // distributed.nodes_of(config)
-        retry.call(lambda: gang_master_set(member_id=member.pk, port=port,
-                                           backend=distributed.backend_for(local)),
-                   what=f"step {step_id}: the gang's address")
+        try:
+            store = _serve(member, config, retry)
+        except Exception:  # no address to serve on: this worker gives its place back
+            retry.call(lambda: gang_release(member_id=member.pk),
+                       what=f"step {step_id}: leaving its gang")
+            raise
     try:
         step = _gather(member, config, retry)
         if step is None:
@@ -76,6 +76,24 @@ def step_train(*, step_id: int, worker: str, retry: RetryPolicy = DB_RETRY) -> s
         return _run(member, step, meter, retry)
     finally:
         del store  # node 0: the try's TCPStore closes with it
+
+
+def _serve(member: GangMember, config: dict[str, Any], retry: RetryPolicy) -> Any:
+    """Node 0: open the gang's TCPStore and write where it is on this member's row."""
+    addr = gang_addr()
+    store, port = distributed.master_store(addr, float(config["gang_wait_seconds"]) + 60)
+    local = distributed.world_size_of(config) // distributed.nodes_of(config)
+    retry.call(lambda: gang_master_set(member_id=member.pk, addr=addr, port=port,
+                                       backend=distributed.backend_for(local)),
+               what=f"step {member.step_id}: the gang's address")
+    return store
+
+
+def gang_addr() -> str:
+    """Where this worker serves the gang's TCPStore as node 0: `TRAINING_GANG_ADDR`, or with
+    "hostname" this host's name resolved (a container's own address under compose)."""
+    addr = settings.TRAINING_GANG_ADDR
+    return socket.gethostbyname(socket.gethostname()) if addr == "hostname" else addr
 
 
 def _config_of(step_id: int) -> dict[str, Any] | None:
@@ -113,6 +131,7 @@ def gang_join(*, step_id: int, worker: str, now: datetime | None = None) -> Gang
                      need.describe(), worker)
             return None
         attempt = step.attempts + 1
+        _drop_silent(step, attempt, now, config)
         members = GangMember.objects.filter(step=step, attempt=attempt)
         taken = {m.node_rank: m.worker for m in members}
         nodes = distributed.nodes_of(config)
@@ -124,10 +143,10 @@ def gang_join(*, step_id: int, worker: str, now: datetime | None = None) -> Gang
             host=socket.gethostname(), pid=os.getpid(), joined_at=now, seen_at=now)
 
 
-def gang_master_set(*, member_id: int, port: int, backend: str) -> None:
+def gang_master_set(*, member_id: int, addr: str, port: int, backend: str) -> None:
     """Node 0's worker: where the gang meets (its TCPStore) and the backend every rank uses."""
     GangMember.objects.filter(pk=member_id, node_rank=0).update(
-        master_addr=settings.TRAINING_GANG_ADDR, master_port=port, backend=backend)
+        master_addr=addr, master_port=port, backend=backend)
 
 
 def gang_start(*, member_id: int, now: datetime | None = None) -> str:
@@ -145,6 +164,7 @@ def gang_start(*, member_id: int, now: datetime | None = None) -> str:
             ours = step.attempts == member.attempt and step.status == StepStatus.TRAINING
             return "started" if ours else "lost"
         GangMember.objects.filter(pk=member.pk).update(seen_at=now)
+        _drop_silent(step, member.attempt, now, services.job_config(step.job))
         members = list(GangMember.objects.filter(step=step, attempt=member.attempt)
                        .order_by("node_rank"))
         nodes = distributed.nodes_of(services.job_config(step.job))
@@ -153,6 +173,15 @@ def gang_start(*, member_id: int, now: datetime | None = None) -> str:
         # Every node is here: the try is claimed for all of them (the step's row is locked).
         claimed = services.step_claim(step_id=step.pk, worker=members[0].worker, now=now)
         return "started" if claimed is not None else "lost"
+
+
+def _drop_silent(step: TrainingStep, attempt: int, now: datetime,
+                 config: dict[str, Any]) -> None:
+    """A gathering member polls every quarter second; one silent for
+    `gang_peer_timeout_seconds` died while it waited (kill -9): its place is freed, so the
+    gang never starts with it and its node rank (0 too) goes to the next worker."""
+    silent = now - timedelta(seconds=float(config["gang_peer_timeout_seconds"]))
+    GangMember.objects.filter(step=step, attempt=attempt, seen_at__lt=silent).delete()
 
 
 def gang_release(*, member_id: int) -> bool:
