@@ -112,6 +112,8 @@ def test_a_gang_starts_only_when_every_node_joined_and_a_lone_member_gives_its_p
                     ("celery:training-a@h:11", "", None)]
     # The step is held now: a late member of this try joins nothing.
     assert gang.gang_join(step_id=step.pk, worker="celery:training-c@h:33") is None
+    page = admin_client.get(f"/admin/trainer/trainingstep/{step.pk}/change/").content.decode()
+    assert "celery:training-a@h:11" in page and "29556" in page  # the rows, in the admin
 
 
 def checkpoint_state(algorithm, job, version: int) -> dict:
