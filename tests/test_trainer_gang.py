@@ -13,7 +13,7 @@ from io import StringIO
 
 import psutil
 import pytest
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 from django.utils import timezone
 
 from examples.cipher import job_spec
@@ -24,7 +24,7 @@ from tests.celery_fixtures import use_broker, wait_until
 from trainer import gang, selectors, services
 from trainer.algorithms import algorithm_load
 from trainer.checkpoints import find_checkpoint
-from trainer.models import GangMember, JobStatus, StepStatus, TrainingStep
+from trainer.models import GangMember, JobStatus, StepStatus, TrainingJob, TrainingStep
 
 
 def max_weight_difference(a: dict, b: dict) -> float:
@@ -262,3 +262,11 @@ def test_a_member_that_died_while_gathering_loses_its_place_and_node_0_goes_to_t
     assert gang.gang_start(member_id=alive.pk) == "started"
     step.refresh_from_db()
     assert (step.attempts, step.worker) == (1, "celery:training-c@h:33")
+
+
+@pytest.mark.django_db
+def test_train_refuses_nodes_on_the_embedded_default_which_runs_one_training_worker(settings):
+    settings.EMBEDDED_WORKERS = True
+    with pytest.raises(CommandError, match="nodes > 1 needs as many training workers"):
+        call_command("train", "examples.cipher", "--world-size", "4", "--nodes", "2")
+    assert not TrainingJob.objects.exists()
