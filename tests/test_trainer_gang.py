@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 from datetime import timedelta
 from io import StringIO
 
@@ -270,3 +271,31 @@ def test_train_refuses_nodes_on_the_embedded_default_which_runs_one_training_wor
     with pytest.raises(CommandError, match="nodes > 1 needs as many training workers"):
         call_command("train", "examples.cipher", "--world-size", "4", "--nodes", "2")
     assert not TrainingJob.objects.exists()
+
+
+@pytest.mark.django_db
+def test_a_member_checks_its_peers_dead_on_its_host_silent_elsewhere_and_its_try():
+    job = gang_job("gang-watch", gang_peer_timeout_seconds=30)
+    services.job_start(job_id=job.pk)
+    step = job.steps.get(n=0)
+    TrainingStep.objects.filter(pk=step.pk).update(status=StepStatus.READY)
+    a = gang.gang_join(step_id=step.pk, worker="celery:training-a@h:11")
+    b = gang.gang_join(step_id=step.pk, worker="celery:training-b@h:22")
+    gang.gang_master_set(addr="127.0.0.1", member_id=a.pk, port=29555, backend="gloo")
+    assert gang.gang_start(member_id=b.pk) == "started"
+    b.refresh_from_db()
+    check = gang._watch(a, [b], silent_seconds=30)
+    assert check() is None  # b is this test process: alive, and just seen
+    GangMember.objects.filter(pk=b.pk).update(
+        host="elsewhere", seen_at=timezone.now() - timedelta(seconds=31))
+    b.refresh_from_db()
+    assert gang._watch(a, [b], silent_seconds=30)() == (
+        "gang node 1 (celery:training-b@h:22) silent for more than 30s")
+    gone = psutil.Popen(["true"])
+    gone.wait()
+    GangMember.objects.filter(pk=b.pk).update(host=socket.gethostname(), pid=gone.pid)
+    b.refresh_from_db()
+    assert gang._watch(a, [b], silent_seconds=3600)() == (
+        "gang node 1 (celery:training-b@h:22) died")
+    services.step_record_failure(step_id=step.pk, attempt=1, error="elsewhere")
+    assert check() == "try 1 of the step ended on another node"

@@ -34,6 +34,8 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import DateTimeField, ExpressionWrapper
+from django.db.models.functions import Now
 from django.utils import timezone
 
 from core import devices
@@ -131,7 +133,7 @@ def gang_join(*, step_id: int, worker: str, now: datetime | None = None) -> Gang
                      need.describe(), worker)
             return None
         attempt = step.attempts + 1
-        _drop_silent(step, attempt, now, config)
+        _drop_silent(step, attempt, config)
         members = GangMember.objects.filter(step=step, attempt=attempt)
         taken = {m.node_rank: m.worker for m in members}
         nodes = distributed.nodes_of(config)
@@ -140,7 +142,7 @@ def gang_join(*, step_id: int, worker: str, now: datetime | None = None) -> Gang
         rank = min(set(range(nodes)) - set(taken))
         return GangMember.objects.create(
             step=step, attempt=attempt, node_rank=rank, worker=worker,
-            host=socket.gethostname(), pid=os.getpid(), joined_at=now, seen_at=now)
+            host=socket.gethostname(), pid=os.getpid(), joined_at=now, seen_at=Now())
 
 
 def gang_master_set(*, member_id: int, addr: str, port: int, backend: str) -> None:
@@ -163,8 +165,8 @@ def gang_start(*, member_id: int, now: datetime | None = None) -> str:
         if step.attempts >= member.attempt:
             ours = step.attempts == member.attempt and step.status == StepStatus.TRAINING
             return "started" if ours else "lost"
-        GangMember.objects.filter(pk=member.pk).update(seen_at=now)
-        _drop_silent(step, member.attempt, now, services.job_config(step.job))
+        GangMember.objects.filter(pk=member.pk).update(seen_at=Now())
+        _drop_silent(step, member.attempt, services.job_config(step.job))
         members = list(GangMember.objects.filter(step=step, attempt=member.attempt)
                        .order_by("node_rank"))
         nodes = distributed.nodes_of(services.job_config(step.job))
@@ -175,13 +177,19 @@ def gang_start(*, member_id: int, now: datetime | None = None) -> str:
         return "started" if claimed is not None else "lost"
 
 
-def _drop_silent(step: TrainingStep, attempt: int, now: datetime,
-                 config: dict[str, Any]) -> None:
+def _drop_silent(step: TrainingStep, attempt: int, config: dict[str, Any]) -> None:
     """A gathering member polls every quarter second; one silent for
     `gang_peer_timeout_seconds` died while it waited (kill -9): its place is freed, so the
     gang never starts with it and its node rank (0 too) goes to the next worker."""
-    silent = now - timedelta(seconds=float(config["gang_peer_timeout_seconds"]))
-    GangMember.objects.filter(step=step, attempt=attempt, seen_at__lt=silent).delete()
+    GangMember.objects.filter(step=step, attempt=attempt,
+                              seen_at__lt=_ago(float(config["gang_peer_timeout_seconds"]))
+                              ).delete()
+
+
+def _ago(seconds: float) -> ExpressionWrapper:
+    """The database's clock `seconds` ago: heartbeats are written and compared on the one
+    clock, so members on hosts whose clocks differ agree on who is silent."""
+    return ExpressionWrapper(Now() - timedelta(seconds=seconds), output_field=DateTimeField())
 
 
 def gang_release(*, member_id: int) -> bool:
@@ -264,21 +272,21 @@ def _watch(member: GangMember, peers: list[GangMember], silent_seconds: float):
     here = socket.gethostname()
 
     def check() -> str | None:
-        now = timezone.now()
         try:
-            GangMember.objects.filter(pk=member.pk).update(seen_at=now)
+            GangMember.objects.filter(pk=member.pk).update(seen_at=Now())
             if not TrainingStep.objects.filter(pk=member.step_id, status=StepStatus.TRAINING,
                                                attempts=member.attempt).exists():
                 return f"try {member.attempt} of the step ended on another node"
-            seen = dict(GangMember.objects.filter(pk__in=[p.pk for p in peers])
-                        .values_list("pk", "seen_at"))
+            silent = set(GangMember.objects.filter(pk__in=[p.pk for p in peers],
+                                                   seen_at__lt=_ago(silent_seconds))
+                         .values_list("pk", flat=True))
         except Exception:  # the database is briefly away: look again next time
             log.warning("step %s: could not check its gang", member.step_id, exc_info=True)
             return None
         for peer in peers:
             if peer.host == here and not process_alive(peer.pid):
                 return f"gang node {peer.node_rank} ({peer.worker}) died"
-            if seen.get(peer.pk, now) < now - timedelta(seconds=silent_seconds):
+            if peer.pk in silent:
                 return (f"gang node {peer.node_rank} ({peer.worker}) silent for more than "
                         f"{silent_seconds:g}s")
         return None
