@@ -17,10 +17,14 @@ import pytest
 from django.core.management import CommandError, call_command
 from django.utils import timezone
 
+from core.retry import DEFAULT as DB_RETRY
+from core.usage import CpuMeter
 from examples.cipher import job_spec
 from store import selectors as store_selectors
 from store import services as store_services
 from store.errors import InvalidInput
+from store.models import Rollout
+from store.statemachine import RolloutStatus
 from tests.celery_fixtures import use_broker, wait_until
 from trainer import gang, selectors, services
 from trainer.algorithms import algorithm_load
@@ -299,3 +303,24 @@ def test_a_member_checks_its_peers_dead_on_its_host_silent_elsewhere_and_its_try
         "gang node 1 (celery:training-b@h:22) died")
     services.step_record_failure(step_id=step.pk, attempt=1, error="elsewhere")
     assert check() == "try 1 of the step ended on another node"
+
+
+@pytest.mark.django_db
+def test_a_gang_whose_rollouts_failed_runs_them_again_before_any_rank_starts():
+    job = gang_job("gang-precheck")
+    services.job_start(job_id=job.pk)
+    step = job.steps.get(n=0)
+    TrainingStep.objects.filter(pk=step.pk).update(status=StepStatus.READY)
+    a = gang.gang_join(step_id=step.pk, worker="celery:training-a@h:11")
+    b = gang.gang_join(step_id=step.pk, worker="celery:training-b@h:22")
+    gang.gang_master_set(addr="127.0.0.1", member_id=a.pk, port=29555, backend="gloo")
+    assert gang.gang_start(member_id=b.pk) == "started"
+    Rollout.objects.filter(group_id=step.group_id).update(status=RolloutStatus.FAILED)
+    step = TrainingStep.objects.select_related("job").get(pk=step.pk)
+    # Both members look; the first records the failed try (its rollouts run again), the
+    # other finds the try gone; neither starts a rank (no TCPStore serves port 29555).
+    assert gang._run(b, step, CpuMeter(), DB_RETRY) == "retry"
+    assert gang._run(a, step, CpuMeter(), DB_RETRY) == "lost"
+    step.refresh_from_db()
+    assert (step.status, step.round, step.attempts) == (StepStatus.ROLLING, 1, 1)
+    assert "train rollouts failed" in step.error

@@ -227,6 +227,8 @@ def _gather(member: GangMember, config: dict[str, Any],
 
 
 def _run(member: GangMember, step: TrainingStep, meter: CpuMeter, retry: RetryPolicy) -> str:
+    if (outcome := services.step_precheck(step, retry)) is not None:
+        return outcome  # every member looks; one acts, before any rank starts
     config = services.job_config(step.job)
     members = list(GangMember.objects.filter(step=step, attempt=member.attempt)
                    .order_by("node_rank"))

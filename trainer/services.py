@@ -386,16 +386,8 @@ def step_train(*, step_id: int, worker: str | None = None,
     step = step_claim(step_id=step_id, worker=worker)
     if step is None:
         return "skipped"
-    if staleness.bound(job_config(step.job)) > 0:
-        stale = retry.call(lambda: _stale_count(step), what=f"step {step.pk}: staleness")
-        if stale:
-            return retry.call(lambda: _step_replan_stale(step, stale),
-                              what=f"step {step.pk}: planning a stale group again")
-    failure = retry.call(lambda: _rollouts_failure(step), what=f"step {step.pk}: rollouts")
-    if failure is not None:
-        return retry.call(lambda: step_record_failure(
-            step_id=step.pk, attempt=step.attempts, error=failure, rerun_rollouts=True),
-            what=f"step {step.pk}: recording a failure")
+    if (outcome := step_precheck(step, retry)) is not None:
+        return outcome
     try:
         with lease_kept(step, job_config(step.job)["step_lease_seconds"]):
             result = train_run(step)
@@ -407,6 +399,24 @@ def step_train(*, step_id: int, worker: str | None = None,
     usage = step_usage(meter, result)
     return retry.call(lambda: step_finish(step, result, usage),
                       what=f"step {step.pk}: finishing")
+
+
+def step_precheck(step: TrainingStep, retry: RetryPolicy = DB_RETRY) -> str | None:
+    """Before a claimed step trains: an asynchronous job's group that aged past the bound is
+    planned again ("replanned"), rollouts that failed beyond the share are a failed try that
+    runs them again ("retry"/"failed"); None: train. Each is a compare-and-swap on the try,
+    so the members of a gang may all call it and one acts."""
+    if staleness.bound(job_config(step.job)) > 0:
+        stale = retry.call(lambda: _stale_count(step), what=f"step {step.pk}: staleness")
+        if stale:
+            return retry.call(lambda: _step_replan_stale(step, stale),
+                              what=f"step {step.pk}: planning a stale group again")
+    failure = retry.call(lambda: _rollouts_failure(step), what=f"step {step.pk}: rollouts")
+    if failure is not None:
+        return retry.call(lambda: step_record_failure(
+            step_id=step.pk, attempt=step.attempts, error=failure, rerun_rollouts=True),
+            what=f"step {step.pk}: recording a failure")
+    return None
 
 
 def step_usage(meter: CpuMeter, result: TrainResult) -> store_services.Usage:
