@@ -290,6 +290,9 @@ def test_a_member_checks_its_peers_dead_on_its_host_silent_elsewhere_and_its_try
     b.refresh_from_db()
     check = gang._watch(a, [b], silent_seconds=30)
     assert check() is None  # b is this test process: alive, and just seen
+    TrainingStep.objects.filter(pk=step.pk).update(status=StepStatus.DONE)
+    assert check() is None  # node 0 finished the try while this node's ranks were leaving
+    TrainingStep.objects.filter(pk=step.pk).update(status=StepStatus.TRAINING)
     GangMember.objects.filter(pk=b.pk).update(
         host="elsewhere", seen_at=timezone.now() - timedelta(seconds=31))
     b.refresh_from_db()
@@ -301,6 +304,7 @@ def test_a_member_checks_its_peers_dead_on_its_host_silent_elsewhere_and_its_try
     b.refresh_from_db()
     assert gang._watch(a, [b], silent_seconds=3600)() == (
         "gang node 1 (celery:training-b@h:22) died")
+    check = gang._watch(a, [], silent_seconds=30)
     services.step_record_failure(step_id=step.pk, attempt=1, error="elsewhere")
     assert check() == "try 1 of the step ended on another node"
 

@@ -56,8 +56,8 @@ def step_train(*, step_id: int, worker: str, retry: RetryPolicy = DB_RETRY) -> s
     """The train-step task's body: a gang member's part of a multi-node step, else
     services.step_train. Returns what happened: done, member (this node's ranks did their
     part, node 0 finishes), released (the gang did not form), skipped, retry, failed, lost."""
-    config = _config_of(step_id)
-    if config is None or distributed.nodes_of(config) <= 1:
+    config = _gang_config(step_id)
+    if config is None:
         return services.step_train(step_id=step_id, worker=worker, retry=retry)
     meter = CpuMeter()
     member = gang_join(step_id=step_id, worker=worker)
@@ -98,9 +98,16 @@ def gang_addr() -> str:
     return socket.gethostbyname(socket.gethostname()) if addr == "hostname" else addr
 
 
-def _config_of(step_id: int) -> dict[str, Any] | None:
+def _gang_config(step_id: int) -> dict[str, Any] | None:
+    """The job's config when the step trains as a gang; None when one worker runs it (one
+    node, or the final step, which only evaluates: the others' messages find it done)."""
     step = TrainingStep.objects.select_related("job").filter(pk=step_id).first()
-    return None if step is None else services.job_config(step.job)
+    if step is None:
+        return None
+    config = services.job_config(step.job)
+    if distributed.nodes_of(config) <= 1 or step.n >= config["steps"]:
+        return None
+    return config
 
 
 def gang_join(*, step_id: int, worker: str, now: datetime | None = None) -> GangMember | None:
@@ -276,8 +283,11 @@ def _watch(member: GangMember, peers: list[GangMember], silent_seconds: float):
     def check() -> str | None:
         try:
             GangMember.objects.filter(pk=member.pk).update(seen_at=Now())
-            if not TrainingStep.objects.filter(pk=member.step_id, status=StepStatus.TRAINING,
-                                               attempts=member.attempt).exists():
+            # DONE: node 0 finished the try while this node's ranks were leaving (their
+            # last collective is behind them): nothing to stop.
+            if not TrainingStep.objects.filter(
+                    pk=member.step_id, attempts=member.attempt,
+                    status__in=[StepStatus.TRAINING, StepStatus.DONE]).exists():
                 return f"try {member.attempt} of the step ended on another node"
             silent = set(GangMember.objects.filter(pk__in=[p.pk for p in peers],
                                                    seen_at__lt=_ago(silent_seconds))
