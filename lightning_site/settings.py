@@ -322,6 +322,10 @@ try:
     WORKERS_CUDA_DEVICES = devices_parse_override(env_str("WORKERS_CUDA_DEVICES"))
 except ValueError as exc:
     raise ImproperlyConfigured(f"WORKERS_CUDA_DEVICES {exc}") from None
+# The address this training worker's TCPStore listens on and the other nodes of a gang reach it
+# at, when it is node 0 of a multi-node step (trainer/gang.py): the host's address on the
+# network the training nodes share; 127.0.0.1 when every node is on one machine.
+TRAINING_GANG_ADDR = env_str("TRAINING_GANG_ADDR", "127.0.0.1")
 # The store's watchdog sweep, and reconciliation (re-sends, lost workers), in seconds.
 LIGHTNING_SWEEP_SECONDS = env_int("LIGHTNING_SWEEP_SECONDS", 5, minimum=1)
 LIGHTNING_RECONCILE_SECONDS = env_int("LIGHTNING_RECONCILE_SECONDS", 15, minimum=1)

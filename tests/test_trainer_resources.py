@@ -91,8 +91,8 @@ def test_job_create_refuses_bad_resources_with_the_field_named():
         create({"gpus": 2, "gpu_type": ["A100", "H100"]})
     with pytest.raises(InvalidInput, match="config.resources.gpu_memory_gb: must be a number"):
         create({"gpu_memory_gb": "lots"})
-    with pytest.raises(InvalidInput, match="config.resources.gpus: each of the world_size=2 "
-                                           "ranks takes one GPU"):
+    with pytest.raises(InvalidInput, match="config.resources.gpus: each of the 2 ranks of a "
+                                           "node takes one GPU"):
         create({"gpus": 1}, world_size=2)
     assert create({"gpus": 2}, world_size=2).config["resources"] == {"gpus": 2}
 

@@ -107,7 +107,7 @@ def test_a_database_lost_while_a_trained_step_finishes_is_retried_in_place(monke
     job = services.job_start(job_id=make_job().pk)
     run_rollouts(job)
     step_id = sent.train_steps.pop()
-    finish, failures = services._step_finish, []
+    finish, failures = services.step_finish, []
 
     def lost_once(step, result, *usage):
         if not failures:
@@ -115,7 +115,7 @@ def test_a_database_lost_while_a_trained_step_finishes_is_retried_in_place(monke
             raise OperationalError("server closed the connection unexpectedly")
         return finish(step, result, *usage)
 
-    monkeypatch.setattr(services, "_step_finish", lost_once)
+    monkeypatch.setattr(services, "step_finish", lost_once)
     assert services.step_train(step_id=step_id, worker="w") == "done"
     step = TrainingStep.objects.get(pk=step_id)
     assert (step.status, step.attempts, step.produced_version) == (StepStatus.DONE, 1, 2)
@@ -159,9 +159,9 @@ def test_a_step_whose_worker_died_is_sent_again_and_completes_once(monkeypatch):
     assert services.step_claim(step_id=step_id, worker="heir", now=later) is not None
     step = TrainingStep.objects.get(pk=step_id)
     assert (step.attempts, step.worker) == (2, "heir")
-    result = services._train(step)
-    assert services._step_finish(step, result) == "done"
-    assert services._step_finish(dead, result) == "lost"  # the dead try cannot finish it
+    result = services.train_run(step)
+    assert services.step_finish(step, result) == "done"
+    assert services.step_finish(dead, result) == "lost"  # the dead try cannot finish it
     assert ResourceVersion.objects.filter(resource_set__resources_id=job.resources_id).count() == 2
 
 
@@ -305,7 +305,7 @@ def test_a_paused_job_does_not_advance_until_resumed(monkeypatch):
     step_id = sent.train_steps.pop()
     held = services.step_claim(step_id=step_id, worker="w")  # a step in flight at Ctrl+C
     assert services.job_pause(job_id=job.pk).status == JobStatus.PAUSED
-    assert services._step_finish(held, services._train(held)) == "done"
+    assert services.step_finish(held, services.train_run(held)) == "done"
     assert not job.steps.filter(n=1).exists()  # a paused job plans nothing
     assert services.steps_sweep(force=True).resent == []
     job = services.job_resume(job_id=job.pk)

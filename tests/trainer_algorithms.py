@@ -63,3 +63,32 @@ class AbortsAfterUpdateGRPO(GRPO):
         if distributed.world()[0] == 1:
             os.abort()
         return out
+
+
+class GangHoldGRPO(GRPO):
+    """A gang step whose every rank writes its pid into `pid_dir` (as rank<global rank>) and,
+    while `hold_marker` does not exist, sleeps once all ranks are there (a test kills a
+    member then); later tries train normally."""
+
+    def update(self, **kwargs):
+        from trainer import distributed
+
+        rank, size = distributed.world()
+        pid_dir = Path(self.config["pid_dir"])
+        (pid_dir / f"rank{rank}").write_text(str(os.getpid()))
+        if not Path(self.config["hold_marker"]).exists():
+            while len(list(pid_dir.iterdir())) < size:
+                time.sleep(0.05)
+            time.sleep(600)
+        return super().update(**kwargs)
+
+
+class FixedBatchGRPO(GRPO):
+    """GRPO whose every step trains on one fixed batch: 7 tasks x 5 episodes acted by
+    checkpoint 0 (`act_samples`, seed 4; 35 samples, so 4 ranks' shards differ in size),
+    the same on every node and in the test that checks the update against one process."""
+
+    def samples(self, rollouts):
+        from examples.cipher.task import act_samples
+
+        return act_samples(self.init_state()["model"], tasks=7, group_size=5, seed=4)

@@ -5,7 +5,7 @@ from django.urls import reverse
 from django.utils.html import format_html
 
 from trainer import selectors, services
-from trainer.models import TrainingJob, TrainingStep
+from trainer.models import GangMember, TrainingJob, TrainingStep
 
 
 class StepInline(admin.TabularInline):
@@ -53,8 +53,24 @@ class TrainingJobAdmin(admin.ModelAdmin):
         self.message_user(request, f"Resumed {queryset.count()} job(s).", messages.SUCCESS)
 
 
+class GangMemberInline(admin.TabularInline):
+    """The rendezvous rows of a multi-node step: which workers joined which try."""
+
+    model = GangMember
+    extra = 0
+    can_delete = False
+    fields = ("attempt", "node_rank", "worker", "host", "pid", "master_addr", "master_port",
+              "backend", "joined_at", "seen_at")
+    readonly_fields = fields
+    ordering = ("attempt", "node_rank")
+
+    def has_add_permission(self, request, obj=None) -> bool:
+        return False
+
+
 @admin.register(TrainingStep)
 class TrainingStepAdmin(admin.ModelAdmin):
+    inlines = [GangMemberInline]
     list_display = ("id", "job", "n", "status", "resources_version", "produced_version",
                     "attempts", "device", "worker", "rollouts")
     list_filter = ("status", "device")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from core.publish import Message, publish
 from core.queues import Queue
 from store import services as store_services
-from trainer.models import STEP_OPEN
+from trainer.models import STEP_OPEN, TrainingStep
 from trainer.statemachine import step_move
 
 TRAIN_STEP_TASK = "trainer.train_step"
@@ -21,7 +21,12 @@ CELERY_DISPATCH = "celery"
 
 
 def send_train_step(step_id: int) -> None:
-    if publish([Message(TRAIN_STEP_TASK, {"step_id": step_id}, Queue.TRAINING.value)]):
+    """One message per node: a multi-node step's gang needs that many training workers, each
+    taking one (trainer/gang.py); the extra ones find the step started and do nothing."""
+    config = TrainingStep.objects.filter(pk=step_id).values_list("job__config", flat=True).first()
+    nodes = int((config or {}).get("nodes", 1))
+    message = Message(TRAIN_STEP_TASK, {"step_id": step_id}, Queue.TRAINING.value)
+    if publish([message] * max(1, nodes)):
         # Never sent: the trainer sweep sends a step with no `sent_at` at once.
         step_move(step_id, expect=STEP_OPEN, to=None, sent_at=None)
 

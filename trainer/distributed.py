@@ -34,7 +34,9 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +68,31 @@ def world_size_error(config: dict[str, Any], algorithm: Algorithm) -> str | None
     if value > 1 and not algorithm.runs_ddp:
         return (f"{type(algorithm).__name__} trains in one process only; "
                 f"world_size must be 1, got {value}")
+    return None
+
+
+MAX_NODES = 16
+
+
+def nodes_of(config: dict[str, Any]) -> int:
+    """Training workers that run one step together (a gang, trainer/gang.py); 1: one."""
+    return int(config.get("nodes", 1))
+
+
+def nodes_error(config: dict[str, Any]) -> str | None:
+    """Why the job's `nodes` is not usable (one line), None when it is. `world_size` stays
+    the number of ranks of the whole step (what the update's parity depends on), so it must
+    divide evenly: each node runs world_size / nodes ranks."""
+    value = config.get("nodes", 1)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_NODES:
+        return f"must be an integer from 1 to {MAX_NODES}, got {value!r}"
+    world_size = config.get("world_size", DEFAULT_WORLD_SIZE)
+    if value > 1 and world_size % value:
+        return (f"world_size={world_size} must be a multiple of nodes={value} (each node runs "
+                f"world_size / nodes ranks)")
+    if value > 1 and config.get("parallel", "ddp") != "ddp":
+        return ("a gang across nodes runs DDP only (FSDP's ranks write one checkpoint "
+                "directory, which nodes do not share); parallel must be ddp")
     return None
 
 
@@ -195,6 +222,22 @@ def backend_for(world_size: int) -> str:
     return "gloo"
 
 
+@dataclass(frozen=True)
+class Rendezvous:
+    """How the ranks this process starts meet the others: `local` ranks from global rank
+    `offset` of `world_size`, at a FileStore (`file`: all ranks on this machine) or at a
+    TCPStore another process serves (`host`:`port`: a gang across nodes, trainer/gang.py)."""
+
+    world_size: int
+    local: int
+    backend: str
+    offset: int = 0
+    file: str = ""
+    host: str = ""
+    port: int = 0
+    timeout_seconds: float = 1800.0
+
+
 def update(algorithm: Algorithm, *, step: int, state: dict[str, Any], samples: list[Sample],
            world_size: int, parallel: str = "ddp") -> tuple[Update, str]:
     """Run `algorithm.update` on `world_size` local ranks; rank 0's Update and the device
@@ -202,36 +245,46 @@ def update(algorithm: Algorithm, *, step: int, state: dict[str, Any], samples: l
     rank is joined (or killed) before this returns or raises. With `parallel="fsdp"` the
     ranks write the new state with torch.distributed.checkpoint into a directory of its own
     that the Update names ({"dcp": directory}); the algorithm's `save` stores and removes it."""
-    import torch
-
     sharded_dir = tempfile.mkdtemp(prefix="lightning-dcp-") if parallel == "fsdp" else ""
     try:
-        return _update(algorithm, step=step, state=state, samples=samples,
-                       world_size=world_size, setup={"parallel": parallel, "dcp": sharded_dir},
-                       torch=torch)
+        with tempfile.TemporaryDirectory(prefix="lightning-ddp-") as tmp:
+            meet = Rendezvous(world_size=world_size, local=world_size,
+                              backend=backend_for(world_size),
+                              file=str(Path(tmp) / "rendezvous"))
+            out = run_ranks(algorithm, meet, step=step, state=state, samples=samples,
+                            setup={"parallel": parallel, "dcp": sharded_dir})
     except BaseException:
         if sharded_dir:
             shutil.rmtree(sharded_dir, ignore_errors=True)
         raise
+    assert out is not None  # rank 0 is local
+    device = "cuda" if meet.backend == "nccl" else "cpu"
+    return out, f"{device} x{world_size}"
 
 
-def _update(algorithm: Algorithm, *, step: int, state: dict[str, Any], samples: list[Sample],
-            world_size: int, setup: dict[str, str], torch: Any) -> tuple[Update, str]:
+def run_ranks(algorithm: Algorithm, meet: Rendezvous, *, step: int, state: dict[str, Any],
+              samples: list[Sample], setup: dict[str, str] | None = None,
+              abort: Callable[[], str | None] | None = None) -> Update | None:
+    """Start this process's `meet.local` ranks and join them: global rank 0's Update when it
+    is one of them, else None. `abort` is asked every two seconds while they run; a reason
+    from it kills them and raises RankFailed (a gang member lost elsewhere)."""
+    import torch
     import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import ProcessException
 
-    backend = backend_for(world_size)
-    threads = max(1, torch.get_num_threads() // world_size)
-    with tempfile.TemporaryDirectory(prefix="lightning-ddp-") as tmp:
+    setup = setup or {"parallel": "ddp", "dcp": ""}
+    threads = max(1, torch.get_num_threads() // meet.local)
+    with tempfile.TemporaryDirectory(prefix="lightning-ranks-") as tmp:
         result = Path(tmp) / "rank0.pt"
-        args = (world_size, backend, str(Path(tmp) / "rendezvous"), str(result), threads,
-                os.getpid(), setup, algorithm, step, state, samples)
+        args = (meet, str(result), threads, os.getpid(), setup, algorithm, step, state,
+                samples)
         with _children_allowed():
-            context = mp.start_processes(_rank_main, args=args, nprocs=world_size,
+            context = mp.start_processes(_rank_main, args=args, nprocs=meet.local,
                                          join=False, start_method="spawn")
         try:
-            while not context.join(grace_period=5):
-                pass
+            while not context.join(timeout=2, grace_period=5):
+                if abort is not None and (why := abort()) is not None:
+                    raise RankFailed(why)
         except ProcessException as exc:
             # The others end on their own (a dead peer ends their collectives) or are killed
             # below; rank 0 may be saving a complete update.
@@ -239,20 +292,20 @@ def _update(algorithm: Algorithm, *, step: int, state: dict[str, Any], samples: 
             for process in context.processes:
                 process.join(timeout=max(0.0, deadline - time.monotonic()))
             if not result.exists():
-                raise RankFailed(f"rank {exc.error_index} of {world_size} failed: "
-                                 f"{str(exc).strip()}") from None
+                raise RankFailed(f"rank {meet.offset + exc.error_index} of {meet.world_size} "
+                                 f"failed: {str(exc).strip()}") from None
             # Rank 0 saved the update after every collective of it had completed: a rank that
             # died after that (in its teardown) changed nothing of it.
             log.warning("rank %s of %s died after the update was complete (%s); using it",
-                        exc.error_index, world_size, str(exc).strip())
+                        meet.offset + exc.error_index, meet.world_size, str(exc).strip())
         finally:
             for process in context.processes:  # an interrupted join: no rank outlives the try
                 if process.is_alive():
                     process.kill()
                 process.join()
-        update = torch.load(result, weights_only=False)
-    device = "cuda" if backend == "nccl" else "cpu"
-    return update, f"{device} x{world_size}"
+        if meet.offset != 0:
+            return None
+        return torch.load(result, weights_only=False)
 
 
 _daemon_lock = threading.Lock()
@@ -281,9 +334,9 @@ def _children_allowed() -> Iterator[None]:
             config.update(saved)
 
 
-def _rank_main(rank: int, world_size: int, backend: str, rendezvous: str, result: str,
-               threads: int, parent: int, setup: dict[str, str], algorithm: Algorithm,
-               step: int, state: dict[str, Any], samples: list[Sample]) -> None:
+def _rank_main(local_rank: int, meet: Rendezvous, result: str, threads: int, parent: int,
+               setup: dict[str, str], algorithm: Algorithm, step: int, state: dict[str, Any],
+               samples: list[Sample]) -> None:
     import torch
     import torch.distributed as dist
 
@@ -296,13 +349,19 @@ def _rank_main(rank: int, world_size: int, backend: str, rendezvous: str, result
 
         django.setup()
     device = "cpu"
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-        device = f"cuda:{rank}"
+    if meet.backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = f"cuda:{local_rank}"
     else:
         torch.set_num_threads(threads)
-    store = dist.FileStore(rendezvous, world_size)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    rank = meet.offset + local_rank
+    timeout = timedelta(seconds=meet.timeout_seconds)
+    if meet.file:
+        store = dist.FileStore(meet.file, meet.world_size)
+    else:  # a client of the TCPStore the gang's node 0 serves (trainer/gang.py)
+        store = dist.TCPStore(meet.host, meet.port, meet.world_size, False, timeout=timeout)
+    dist.init_process_group(meet.backend, store=store, rank=rank, world_size=meet.world_size,
+                            timeout=timeout)
     out = algorithm.update(step=step, state=state, samples=samples, device=device)
     if rank == 0:
         torch.save(out, result + ".tmp")
@@ -326,3 +385,14 @@ def _die_with_parent(parent: int) -> None:
         return
     if os.getppid() != parent:  # it died before the line above
         os._exit(1)
+
+
+def master_store(host: str, timeout_seconds: float) -> tuple[Any, int]:
+    """A TCPStore server on `host` at a port the kernel picks (port 0: no race with another
+    process over a port found free, closed and bound again); the store and its port. A gang's
+    node 0 worker serves it while the try runs, and every rank of every node is its client."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(host, 0, None, True, timeout=timedelta(seconds=timeout_seconds),
+                          wait_for_workers=False)
+    return store, int(store.port)

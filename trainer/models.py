@@ -134,3 +134,38 @@ def group_key(step_id: int, round: int) -> str:
     idempotency key: only the trainer's services create groups, so no client's rollout can
     join one."""
     return f"trainer/step/{step_id}/r{round}"
+
+
+class GangMember(models.Model):
+    """One training worker of the gang that runs a multi-node step's try (job config `nodes`,
+    trainer/gang.py): the rendezvous is these rows. A worker joins the try it gathers for
+    (`attempt`: the step's `attempts` + 1) under a node rank; node 0's worker serves the
+    TCPStore every rank meets at and writes its address here. When `nodes` rows are there the
+    step is claimed for them all at once; rows of a try that started stay (which workers ran
+    it), a member that gave up gathering deletes its row."""
+
+    step = models.ForeignKey(TrainingStep, on_delete=models.CASCADE,
+                             related_name="gang_members")
+    attempt = models.PositiveIntegerField()
+    node_rank = models.PositiveIntegerField()
+    worker = models.CharField(max_length=200)
+    host = models.CharField(max_length=200)
+    pid = models.PositiveIntegerField()
+    # node 0 only: where every rank meets (its worker's TCPStore) and the backend it chose
+    master_addr = models.CharField(max_length=200, blank=True)
+    master_port = models.PositiveIntegerField(null=True, blank=True)
+    backend = models.CharField(max_length=8, blank=True)
+    joined_at = models.DateTimeField()
+    # the member's own heartbeat while it gathers and trains; a silent peer fails the try
+    seen_at = models.DateTimeField()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["step", "attempt", "node_rank"],
+                                    name="gangmember_step_try_rank_uniq"),
+            models.UniqueConstraint(fields=["step", "attempt", "worker"],
+                                    name="gangmember_step_try_worker_uniq"),
+        ]
+
+    def __str__(self) -> str:
+        return f"step {self.step_id} try {self.attempt} node {self.node_rank}: {self.worker}"

@@ -19,7 +19,7 @@ from store.models import ResourceVersion, Rollout, RolloutGroup, Span
 from store.statemachine import ROLLOUT_TERMINAL
 from trainer import staleness
 from trainer.algorithms import FinishedRollout
-from trainer.models import JobStatus, StepStatus, TrainingJob, TrainingStep
+from trainer.models import GangMember, JobStatus, StepStatus, TrainingJob, TrainingStep
 
 
 def training_backlog() -> tuple[int, int]:
@@ -197,19 +197,45 @@ def job_threshold_reached(*, job: TrainingJob) -> ThresholdReached | None:
 def step_waiting_reason(*, step: TrainingStep,
                         workers: list[tuple[str, list[dict]]] | None = None) -> str | None:
     """Why a step ready to train (or left by a dead worker) waits: its job's `resources` fit
-    no live training worker ("needs 2 GPUs with >= 40 GB; live training workers: ..."). None
-    when one fits, when the step is not waiting for a worker, or with no registry wired."""
+    no live training worker ("needs 2 GPUs with >= 40 GB; live training workers: ..."), or its
+    gang (job config `nodes`) is gathering or lacks live workers. None when nothing stands in
+    its way, when the step is not waiting for a worker, or with no registry wired."""
     waiting = step.status == StepStatus.READY or (
         step.status == StepStatus.TRAINING and step.lease_until is not None
         and step.lease_until < timezone.now())
     if not waiting:
         return None
-    need = devices.resources_parse((step.job.config or {}).get("resources"))
-    if not need.any:
+    config = step.job.config or {}
+    need = devices.resources_parse(config.get("resources"))
+    nodes = int(config.get("nodes", 1))
+    if not need.any and nodes <= 1:
         return None
     if workers is None:
         workers = control.live_worker_devices(Queue.TRAINING.value)
-    return None if workers is None else devices.unmet_reason(need, workers)
+    if workers is None:
+        return None
+    if need.any and (reason := devices.unmet_reason(need, workers)) is not None:
+        return reason
+    return _gang_reason(step, nodes, need, workers) if nodes > 1 else None
+
+
+def _gang_reason(step: TrainingStep, nodes: int, need: devices.Resources,
+                 workers: list[tuple[str, list[dict]]]) -> str | None:
+    """"gang of 2 training workers: 1 joined (celery:a@h:12), waiting for 1 more; live
+    training workers that fit: 1" while members gather; "needs a gang of 2 training workers;
+    live training workers that fit: 1 (a@h)" when too few are alive."""
+    fit = [name for name, held in workers if devices.fits(held, need)]
+    live = f"live training workers that fit: {len(fit)}"
+    if fit:
+        live += f" ({', '.join(fit)})"
+    joined = list(GangMember.objects.filter(step=step, attempt=step.attempts + 1)
+                  .order_by("node_rank").values_list("worker", flat=True))
+    if joined:
+        return (f"gang of {nodes} training workers: {len(joined)} joined "
+                f"({', '.join(joined)}), waiting for {nodes - len(joined)} more; {live}")
+    if len(fit) < nodes:
+        return f"needs a gang of {nodes} training workers; {live}"
+    return None
 
 
 def waiting_steps(*, project_id: int | None = None, job_id: int | None = None

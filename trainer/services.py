@@ -4,7 +4,7 @@ by compare-and-swap. Files and torch work happen outside transactions.
 The loop (DESIGN.md "The training loop as data"): `job_start` writes checkpoint 0 and plans
 step 0; its rollouts finish (the store counts them in the step's rollout group and writes a
 completion, which trainer.reactions takes -> `step_check_ready`); the train-step task runs
-`step_train`: claim, learn, then `_step_finish` writes checkpoint k+1 and plans step n+1 in one
+`step_train`: claim, learn, then `step_finish` writes checkpoint k+1 and plans step n+1 in one
 transaction. The final step (n == steps) only evaluates. `steps_sweep` re-sends what a dead
 process left behind.
 """
@@ -16,6 +16,7 @@ import os
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -58,6 +59,13 @@ JOB_DEFAULTS: dict[str, Any] = {
     # how those processes share the model: "ddp" (a copy each, gradients all-reduced) or
     # "fsdp" (FSDP2: parameters sharded, checkpoints through torch.distributed.checkpoint)
     "parallel": "ddp",
+    # training workers (nodes) that run one step together as a gang (trainer/gang.py), each
+    # with world_size / nodes local ranks; 1: one worker runs the step
+    "nodes": 1,
+    # a gathered gang member waits this long for the others, then gives its place back
+    "gang_wait_seconds": 60,
+    # a gang member silent this long (no heartbeat row update) fails the try on the others
+    "gang_peer_timeout_seconds": 30,
     # tries of one train step (a worker killed mid-step counts) before the job fails
     "max_step_attempts": 3,
     # a step whose share of failed train rollouts, or of failed validation rollouts, is above
@@ -127,14 +135,17 @@ def job_create(
         raise InvalidInput(*problem)
     if (why := distributed.parallel_error(merged, built)) is not None:
         raise InvalidInput("config.parallel", why)
+    if (why := distributed.nodes_error(merged)) is not None:
+        raise InvalidInput("config.nodes", why)
     try:
         need = devices.resources_parse(merged.get("resources"))
     except devices.ResourcesError as exc:
         raise InvalidInput(f"config.{exc.field}", exc.message) from None
-    if need.gpus and distributed.world_size_of(merged) > need.gpus:
+    local_ranks = distributed.world_size_of(merged) // distributed.nodes_of(merged)
+    if need.gpus and local_ranks > need.gpus:
         raise InvalidInput("config.resources.gpus",
-                           f"each of the world_size={merged['world_size']} ranks takes one GPU; "
-                           f"gpus must be >= world_size, got {need.gpus}")
+                           f"each of the {local_ranks} ranks of a node takes one GPU; gpus "
+                           f"(per node) must be >= world_size / nodes, got {need.gpus}")
     return TrainingJob.objects.create(
         project=project, name=name, agent=agent, algorithm=algorithm, config=merged,
         train_dataset=list(train_dataset), val_dataset=list(val_dataset or []),
@@ -313,7 +324,7 @@ def step_claim(*, step_id: int, worker: str, now: datetime | None = None,
                      need.describe(), worker, devices.describe_devices(have))
             return None
     claimable = Q(status=StepStatus.READY) | Q(status=StepStatus.TRAINING, lease_until__lt=now)
-    if _holder_dead(step, worker):
+    if holder_dead(step, worker):
         # The redelivered message of a killed training worker: no need to wait for the lease.
         claimable |= Q(status=StepStatus.TRAINING, worker=step.worker)
     config = job_config(step.job)
@@ -334,7 +345,7 @@ def step_claim(*, step_id: int, worker: str, now: datetime | None = None,
     return step
 
 
-def _holder_dead(step: TrainingStep, worker: str) -> bool:
+def holder_dead(step: TrainingStep, worker: str) -> bool:
     """The step is held by a process of this worker node ("celery:<node>:<pid>") that is gone."""
     node, _, pid = step.worker.rpartition(":")
     here, _, mine = worker.rpartition(":")
@@ -375,6 +386,26 @@ def step_train(*, step_id: int, worker: str | None = None,
     step = step_claim(step_id=step_id, worker=worker)
     if step is None:
         return "skipped"
+    if (outcome := step_precheck(step, retry)) is not None:
+        return outcome
+    try:
+        with lease_kept(step, job_config(step.job)["step_lease_seconds"]):
+            result = train_run(step)
+    except Exception:
+        error = traceback.format_exc(limit=8)
+        return retry.call(lambda: step_record_failure(
+            step_id=step.pk, attempt=step.attempts, error=error),
+            what=f"step {step.pk}: recording a failure")
+    usage = step_usage(meter, result)
+    return retry.call(lambda: step_finish(step, result, usage),
+                      what=f"step {step.pk}: finishing")
+
+
+def step_precheck(step: TrainingStep, retry: RetryPolicy = DB_RETRY) -> str | None:
+    """Before a claimed step trains: an asynchronous job's group that aged past the bound is
+    planned again ("replanned"), rollouts that failed beyond the share are a failed try that
+    runs them again ("retry"/"failed"); None: train. Each is a compare-and-swap on the try,
+    so the members of a gang may all call it and one acts."""
     if staleness.bound(job_config(step.job)) > 0:
         stale = retry.call(lambda: _stale_count(step), what=f"step {step.pk}: staleness")
         if stale:
@@ -385,20 +416,10 @@ def step_train(*, step_id: int, worker: str | None = None,
         return retry.call(lambda: step_record_failure(
             step_id=step.pk, attempt=step.attempts, error=failure, rerun_rollouts=True),
             what=f"step {step.pk}: recording a failure")
-    try:
-        with lease_kept(step, job_config(step.job)["step_lease_seconds"]):
-            result = _train(step)
-    except Exception:
-        error = traceback.format_exc(limit=8)
-        return retry.call(lambda: step_record_failure(
-            step_id=step.pk, attempt=step.attempts, error=error),
-            what=f"step {step.pk}: recording a failure")
-    usage = _step_usage(meter, result)
-    return retry.call(lambda: _step_finish(step, result, usage),
-                      what=f"step {step.pk}: finishing")
+    return None
 
 
-def _step_usage(meter: CpuMeter, result: TrainResult) -> store_services.Usage:
+def step_usage(meter: CpuMeter, result: TrainResult) -> store_services.Usage:
     """CPU time of this process and its waited-for ranks; GPU-seconds: the training's wall
     time x the CUDA devices it ran on."""
     name = cuda_held()[1] if result.devices else ""
@@ -452,7 +473,12 @@ def _rollouts_failure(step: TrainingStep) -> str | None:
     return None
 
 
-def _train(step: TrainingStep) -> TrainResult:
+# A gang member's way of running the update (trainer/gang.py): (Update, device label, CUDA
+# devices), the Update None on a node other than 0 (node 0 saves and finishes the step).
+UpdateRunner = Callable[[Algorithm, int, dict[str, Any], list[Any]], tuple[Any, str, int]]
+
+
+def train_run(step: TrainingStep, run_update: UpdateRunner | None = None) -> TrainResult:
     started = time.perf_counter()
     job = step.job
     config = job_config(job)
@@ -473,14 +499,20 @@ def _train(step: TrainingStep) -> TrainResult:
         )
         state = algorithm.load(checkpoints.find_checkpoint(version.resources))
         samples = algorithm.samples(rollouts)
-        if (world_size := distributed.world_size_of(config)) > 1:
+        world_size = distributed.world_size_of(config)
+        if run_update is not None:
+            update, device, devices = run_update(algorithm, step.n, state, samples)
+            if update is None:
+                return TrainResult(None, metrics, device, time.perf_counter() - started)
+        elif world_size > 1:
             update, device = distributed.update(algorithm, step=step.n, state=state,
                                                 samples=samples, world_size=world_size,
                                                 parallel=distributed.parallel_of(config))
         else:
             update = algorithm.update(step=step.n, state=state, samples=samples,
                                       device=device)
-        devices = (world_size if world_size > 1 else 1) if device.startswith("cuda") else 0
+        if run_update is None:
+            devices = (world_size if world_size > 1 else 1) if device.startswith("cuda") else 0
         metrics.update(update.metrics)
         if update.state is not None:
             resource = algorithm.save(update.state, name_prefix=f"jobs/{job.pk}",
@@ -490,7 +522,7 @@ def _train(step: TrainingStep) -> TrainResult:
                        devices)
 
 
-def _step_finish(step: TrainingStep, result: TrainResult,
+def step_finish(step: TrainingStep, result: TrainResult,
                  usage: store_services.Usage | None = None) -> str:
     """training -> done in one transaction with the new resources version, the step's ledger
     row and step n+1's plan; a try that lost its lease to another one changes nothing

@@ -7,7 +7,7 @@ one compare-and-swap every step write goes through.
     rolling | ready | training --> failed (tries used up) | cancelled (the job was)
     failed | cancelled --the job resumes--> ready | rolling
 
-One lock order: the job's row, then the step's (`_step_finish` holds the job while it plans
+One lock order: the job's row, then the step's (`step_finish` holds the job while it plans
 the next step; so does every move here), so two writers never wait on each other crosswise.
 """
 

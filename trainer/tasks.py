@@ -8,7 +8,7 @@ from celery import shared_task
 from django.db import InterfaceError, OperationalError
 
 from core.queues import Queue
-from trainer import delivery, services
+from trainer import delivery, gang
 
 
 # A database briefly unreachable before the claim retries the message with backoff, instead
@@ -25,6 +25,7 @@ from trainer import delivery, services
 )
 def train_step(self, *, step_id: int) -> str:
     """Idempotent: a redelivered or re-sent step that is done, or held by a live worker, does
-    nothing (see services.step_train)."""
+    nothing (see services.step_train); a multi-node step's message makes this worker a member
+    of its gang (trainer/gang.py)."""
     worker = f"celery:{self.request.hostname or 'local'}:{os.getpid()}"
-    return services.step_train(step_id=step_id, worker=worker)
+    return gang.step_train(step_id=step_id, worker=worker)

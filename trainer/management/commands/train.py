@@ -140,6 +140,9 @@ class Command(BaseCommand):
                             help="processes of each training step (DDP; config world_size, 1)")
         parser.add_argument("--parallel", choices=["ddp", "fsdp"],
                             help="how those processes share the model (config parallel, ddp)")
+        parser.add_argument("--nodes", type=int, metavar="M",
+                            help="training workers that run each step together, world-size/M "
+                                 "ranks each (a gang; config nodes, 1; distributed mode only)")
         parser.add_argument("--no-follow", action="store_true",
                             help="submit and return (distributed mode only)")
         parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -168,6 +171,13 @@ class Command(BaseCommand):
             config["world_size"] = opts["world_size"]
         if opts["parallel"] is not None:
             config["parallel"] = opts["parallel"]
+        if opts["nodes"] is not None:
+            config["nodes"] = opts["nodes"]
+        nodes = config.get("nodes", 1)
+        if isinstance(nodes, int) and nodes > 1 and settings.EMBEDDED_WORKERS:
+            raise CommandError("nodes > 1 needs as many training workers (a gang, README "
+                               "'A step across nodes'): the embedded default runs one; set "
+                               "DATABASE_URL and a broker")
         try:
             job = services.job_create(
                 project=project_named(opts["project"]), agent=spec["agent"],
