@@ -114,6 +114,8 @@ def _report(job_id: int, wall: float, slots: int) -> dict:
     trained = sum(s.timings.get("train_seconds", 0.0) for s in steps)
     seen = max((s.metrics.get("staleness_max", 0) for s in steps), default=0)
     replanned = sum(s.stale_rollouts for s in steps)
+    borrowed = sum(s.metrics.get("groups_borrowed", 0) for s in steps)
+    groups = sum(s.metrics.get("groups_trained", 0) for s in steps)
     durations = sorted(episode_seconds(int(a.rollout.input["seed"]))
                        for a in attempts.select_related("rollout"))
     p50, p99 = durations[len(durations) // 2], durations[int(len(durations) * 0.99)]
@@ -124,7 +126,9 @@ def _report(job_id: int, wall: float, slots: int) -> dict:
           f"episodes, {slots} slots; episode sleep p50 {p50:.2f}s p99 {p99:.2f}s = "
           f"{p99 / p50:.1f}x)")
     print(f"{tag} training worker busy {trained / wall:.1%} ({trained:.1f}s training)")
-    print(f"{tag} staleness of samples used: max {seen}, re-planned rollouts {replanned}")
+    print(f"{tag} staleness of samples used: max {seen}, re-planned or left rollouts "
+          f"{replanned}" + (f", groups trained {groups} of which planned by another step "
+                            f"{borrowed}" if groups else ""))
     rewards = "  ".join(f"{s.n}:{s.metrics['val_reward']:.3f}@v{s.resources_version}"
                         for s in steps if "val_reward" in s.metrics)
     print(f"{tag} validation reward per step (step:reward@version) {rewards}")

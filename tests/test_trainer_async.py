@@ -78,7 +78,9 @@ def test_max_staleness_and_steps_ahead_are_checked_naming_the_field():
 
 def test_an_async_job_plans_ahead_and_trains_steps_in_order_within_the_bound(monkeypatch):
     sent = capture_sends(monkeypatch)
-    job = services.job_start(job_id=make_job(steps=5, max_staleness=2).pk)
+    # consume "step": each step trains on its own planned groups (test_trainer_async_pool.py
+    # tests the default, the first complete groups wherever planned)
+    job = services.job_start(job_id=make_job(steps=5, max_staleness=2, consume="step").pk)
     # steps 0, 1 and 2 are rolling at once, all against checkpoint 0 (version 1)
     assert list(job.steps.values_list("n", "resources_version").order_by("n")) == [
         (0, 1), (1, 1), (2, 1)]
@@ -129,7 +131,8 @@ def test_groups_past_the_bound_are_planned_again_and_counted(monkeypatch):
     sent = capture_sends(monkeypatch)
     # A gateway one checkpoint behind: each sample is a version older than its pin, so a
     # group planned a step ahead (pin lag 1) is 2 versions old when its step trains.
-    job = make_job(steps=4, max_staleness=1,
+    # (consume "step": whole steps planned again; test_trainer_async_pool.py: groups)
+    job = make_job(steps=4, max_staleness=1, consume="step",
                    agent="tests.trainer_agents.lagging_gateway_agent")
     job = drive(services.job_start(job_id=job.pk), sent)
     assert job.status == JobStatus.SUCCEEDED, job.error
