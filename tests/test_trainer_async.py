@@ -43,7 +43,8 @@ def make_job(*, steps: int = 4, agent: str | None = None, **config) -> TrainingJ
 
 
 def stored_lags(job: TrainingJob) -> dict[int, list[int]]:
-    """Step n -> for each train rollout it trained on, how many versions the oldest version
+    """Step n -> for each train rollout it trained on (`trained`, or its own group's when
+    the job consumes by step), how many versions the oldest version
     that produced it (its pin, or an older one its LLM spans name) lags the version the step
     trained from (the one step n-1 produced), read from the rows alone."""
     steps = {s.n: s for s in job.steps.all()}
@@ -53,8 +54,10 @@ def stored_lags(job: TrainingJob) -> dict[int, list[int]]:
             continue
         base = steps[n - 1].produced_version if n else 1
         lags[n] = []
-        for rollout in Rollout.objects.filter(group_id=step.group_id, mode="train",
-                                              status="succeeded"):
+        # what it trained on: stored when the job consumes groups, else its own group
+        used = (Rollout.objects.filter(pk__in=step.trained) if step.trained else
+                Rollout.objects.filter(group_id=step.group_id, mode="train"))
+        for rollout in used.filter(status="succeeded"):
             served = [a.get(c.LLM_VERSION) + 1 for a in Span.objects.filter(
                 rollout=rollout, attempt_id=rollout.latest_attempt_id,
                 name=c.LLM_CALL_SPAN).values_list("attributes", flat=True)]

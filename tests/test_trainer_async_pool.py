@@ -9,11 +9,12 @@ from __future__ import annotations
 import pytest
 
 from store import services as store_services
+from store.errors import InvalidInput
 from store.models import Rollout, Span
 from tests.test_trainer_async import checkpoint_dir, make_job  # noqa: F401 (fixture)
 from tests.trainer_helpers import capture_sends, drive, run_rollouts
 from trainer import conventions as c
-from trainer import selectors, services
+from trainer import selectors, services, staleness
 from trainer.models import JobStatus, StepStatus, TrainingJob, group_key
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -146,3 +147,22 @@ def test_with_a_lagging_gateway_no_sample_past_the_bound_is_trained(monkeypatch)
     assert all(0 <= lag <= 1 for v in lags.values() for lag in v)
     assert [v for v in job.steps.order_by("n").values_list("produced_version", flat=True)] == [
         2, 3, 4, 5, 5]
+
+
+def test_partial_rollouts_are_marked_for_the_gateway_and_need_an_async_job(monkeypatch):
+    capture_sends(monkeypatch)
+    with pytest.raises(InvalidInput, match="config.partial_rollouts"):
+        make_job(partial_rollouts=True)  # a synchronous job's rollouts run on one version
+    job = services.job_start(job_id=make_job(max_staleness=1, partial_rollouts=True).pk)
+    rollouts = selectors.job_rollouts(job=job)
+    assert rollouts.count() and all(r.metadata[c.LLM_LATEST] is True for r in rollouts)
+    plain = services.job_start(job_id=make_job(max_staleness=1).pk)
+    assert not any(c.LLM_LATEST in r.metadata for r in selectors.job_rollouts(job=plain))
+
+
+def test_a_partial_rollouts_version_is_its_oldest_token_not_its_pin():
+    spans = [{"name": c.LLM_CALL_SPAN, "attributes": {c.LLM_VERSION: v}} for v in (2, 3)]
+    # served by checkpoints 2 and 3 (resources versions 3 and 4), pinned at version 1
+    assert staleness.rollout_version(1, spans, partial=True) == 3
+    assert staleness.rollout_version(1, spans) == 1  # pinned: the pin counts too
+    assert staleness.rollout_version(1, [], partial=True) == 1  # no LLM call: the pin

@@ -22,6 +22,7 @@ from django.db.models import F
 from store import services as store_services
 from store.services import RolloutSpec
 from store.statemachine import ROLLOUT_TERMINAL
+from trainer import conventions as c
 from trainer import delivery, selectors, staleness
 from trainer.algorithms import FinishedRollout
 from trainer.models import GROUP_OWNER, StepStatus, TrainingJob, TrainingStep, group_key
@@ -43,10 +44,14 @@ def rollouts_send(job: TrainingJob, group: Any, specs: list[RolloutSpec]) -> lis
 
 def rollout_metadata(job: TrainingJob, config: dict[str, Any], n: int) -> dict[str, Any]:
     """A planned rollout's metadata: its job and step, and for a job consuming groups
-    `trainer.pool` (its finishing may make the next step ready: trainer/reactions.py)."""
+    `trainer.pool` (its finishing may make the next step ready: trainer/reactions.py), and
+    for partial rollouts `lightning.llm.latest` (the gateway serves each call with the newest
+    version)."""
     metadata: dict[str, Any] = {"trainer.job": job.pk, "trainer.step": n}
     if staleness.consumes_groups(config):
         metadata["trainer.pool"] = True
+    if staleness.partial_rollouts(config):
+        metadata[c.LLM_LATEST] = True
     return metadata
 
 

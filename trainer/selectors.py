@@ -16,7 +16,8 @@ from core import control, devices
 from core.queues import Queue
 from store import selectors as store_selectors
 from store.models import ResourceVersion, Rollout, RolloutGroup, Span
-from store.statemachine import ROLLOUT_TERMINAL
+from store.statemachine import ROLLOUT_TERMINAL, RolloutStatus
+from trainer import conventions as c
 from trainer import staleness
 from trainer.algorithms import FinishedRollout
 from trainer.models import JobStatus, StepStatus, TrainingJob, TrainingStep
@@ -69,7 +70,7 @@ def step_finished_rollouts(*, step: TrainingStep) -> list[FinishedRollout]:
 def _finished(rollouts: Any) -> list[FinishedRollout]:
     """FinishedRollouts of a queryset of terminal rollouts, in plan order."""
     rows = list(
-        rollouts.values("pk", "mode", "status", "input", "resources_version")
+        rollouts.values("pk", "mode", "status", "input", "resources_version", "metadata")
         # plan order: one enqueue stamps its rollouts' start_time a microsecond apart
         .order_by("start_time", "pk")
     )
@@ -78,9 +79,15 @@ def _finished(rollouts: Any) -> list[FinishedRollout]:
         FinishedRollout(rollout_id=r["pk"], mode=r["mode"] or "train", status=r["status"],
                         input=r["input"], spans=spans[r["pk"]],
                         version=staleness.rollout_version(r["resources_version"],
-                                                          spans[r["pk"]]))
+                                                          spans[r["pk"]],
+                                                          partial=_partial(r["metadata"])))
         for r in rows
     ]
+
+
+def _partial(metadata: Any) -> bool:
+    """A partial rollout (trainer/conventions.py LLM_LATEST): its calls on the newest version."""
+    return isinstance(metadata, dict) and metadata.get(c.LLM_LATEST) is True
 
 
 def _latest_spans(rollout_ids: list[str]) -> dict[str, list[dict[str, Any]]]:
@@ -112,7 +119,8 @@ def pool_units(*, job: TrainingJob, through_n: int, spans: bool = False,
              .values("n", "round", "group_id")}
     consumed = job_consumed(job=job)
     rows = (Rollout.objects.filter(group_id__in=list(steps))
-            .values("pk", "mode", "status", "input", "resources_version", "group_id")
+            .values("pk", "mode", "status", "input", "resources_version", "group_id",
+                    "metadata")
             .order_by("start_time", "pk"))
     members: dict[tuple[Any, ...], list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
@@ -131,7 +139,8 @@ def pool_units(*, job: TrainingJob, through_n: int, spans: bool = False,
                 finished[r["pk"]] = FinishedRollout(
                     rollout_id=r["pk"], mode="train", status=r["status"], input=r["input"],
                     spans=by_id[r["pk"]],
-                    version=staleness.rollout_version(r["resources_version"], by_id[r["pk"]]))
+                    version=staleness.rollout_version(r["resources_version"], by_id[r["pk"]],
+                                                      partial=_partial(r["metadata"])))
     units = []
     for index, (key, rs) in enumerate(members.items()):
         step = steps[key[0]]
@@ -141,7 +150,8 @@ def pool_units(*, job: TrainingJob, through_n: int, spans: bool = False,
         units.append(staleness.Unit(
             key=key, order=(step["n"], step["round"], index),
             rollout_ids=tuple(r["pk"] for r in rs), version=min(known) if known else None,
-            complete=key in complete))
+            complete=key in complete,
+            cancelled=any(r["status"] == RolloutStatus.CANCELLED for r in rs)))
     return units, finished
 
 

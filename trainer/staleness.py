@@ -51,6 +51,10 @@ def config_error(config: Mapping[str, Any]) -> tuple[str, str] | None:
                               or not 0 <= ahead <= s):
         return ("config.steps_ahead", f"must be an integer from 0 to max_staleness ({s}): a "
                 "step planned further ahead would always be too stale to train on")
+    partial = config.get("partial_rollouts", False)
+    if not isinstance(partial, bool) or (partial and not s):
+        return ("config.partial_rollouts", "must be true or false, and true only with "
+                "max_staleness > 0 (a synchronous step's rollouts all run on one version)")
     if config.get("consume", "groups") not in CONSUME_RULES:
         return "config.consume", f"must be one of {', '.join(CONSUME_RULES)}"
     cap = config.get("importance_cap", 2.0)
@@ -69,15 +73,27 @@ def steps_in_flight(config: Mapping[str, Any], *, done: int | None, total: int) 
     return range(first, min(first + steps_ahead(config), total - 1) + 1)
 
 
-def rollout_version(pinned: int | None, spans: Iterable[Mapping[str, Any]]) -> int | None:
+def partial_rollouts(config: Mapping[str, Any]) -> bool:
+    """Whether the job's LLM rollouts continue on each newly published version (each call
+    served by the newest one: partial rollouts)."""
+    return bound(config) > 0 and config.get("partial_rollouts") is True
+
+
+def rollout_version(pinned: int | None, spans: Iterable[Mapping[str, Any]], *,
+                    partial: bool = False) -> int | None:
     """The oldest version that produced any part of a rollout: its pinned resources version,
     or older when an LLM call span says an older checkpoint served it (the gateway records
-    `lightning.llm.version`, a checkpoint index: resources version = index + 1)."""
-    versions = [] if pinned is None else [pinned]
+    `lightning.llm.version`, a checkpoint index: resources version = index + 1). A partial
+    rollout's calls were each served by the newest version: its oldest token's version when
+    it has LLM calls (the pin may predate them all), else its pin."""
+    served = []
     for span in spans:
-        served = (span.get("attributes") or {}).get(c.LLM_VERSION)
-        if isinstance(served, int) and not isinstance(served, bool):
-            versions.append(served + 1)
+        version = (span.get("attributes") or {}).get(c.LLM_VERSION)
+        if isinstance(version, int) and not isinstance(version, bool):
+            served.append(version + 1)
+    if partial and served:
+        return min(served)
+    versions = served + ([] if pinned is None else [pinned])
     return min(versions) if versions else None
 
 
@@ -105,13 +121,16 @@ def consumes_groups(config: Mapping[str, Any]) -> bool:
 class Unit:
     """A group of rollouts trained together or not at all (GRPO's rollouts of one task, from
     one round of one step's plan): `order` is plan order (step, round, first rollout);
-    `version` is the oldest version that produced any of them (None: unknown)."""
+    `version` is the oldest version that produced any of them (None: unknown); `cancelled`:
+    one of them was cancelled (a cancelled job, a step past its deadline), so it can only be
+    planned again."""
 
     key: tuple[Any, ...]
     order: tuple[Any, ...]
     rollout_ids: tuple[str, ...]
     version: int | None
     complete: bool
+    cancelled: bool = False
 
 
 def usable(unit: Unit, *, base: int, limit: int) -> bool:
@@ -121,11 +140,11 @@ def usable(unit: Unit, *, base: int, limit: int) -> bool:
 def units_pick(units: Iterable[Unit], *, base: int, limit: int, count: int) -> list[Unit]:
     """The first `count` complete units within the bound, oldest first (plan order): what the
     step training from version `base` consumes."""
-    ready = sorted((u for u in units if u.complete and usable(u, base=base, limit=limit)),
-                   key=lambda u: u.order)
+    ready = sorted((u for u in units if u.complete and not u.cancelled
+                    and usable(u, base=base, limit=limit)), key=lambda u: u.order)
     return ready[:count]
 
 
 def units_past(units: Iterable[Unit], *, base: int, limit: int) -> list[Unit]:
     """The units no step from version `base` on may train on: planned again, never dropped."""
-    return [u for u in units if not usable(u, base=base, limit=limit)]
+    return [u for u in units if u.cancelled or not usable(u, base=base, limit=limit)]
