@@ -2,17 +2,17 @@
 nothing.
 
     .venv/bin/python bench/async_bench.py [--steps 12] [--bound 2] [--concurrency 64]
-        [--median 0.5] [--sigma 1.2]
+        [--median 0.5] [--sigma 1.2] [--consume groups|step]
 
 The same cipher-MLP GRPO job (the example's config, `--steps` training steps, validation every
 4 and after the last update) runs twice in this process, `max_staleness=0` then
-`max_staleness=--bound`, with an agent whose episodes sleep a lognormal time drawn from the
-rollout's seed (`--median` seconds, `--sigma`: p99 / p50 = e^(2.33 sigma), 16x at 1.2) before
-decoding: what is measured is the scheduling, not the agent. Embedded default (SQLite in a
-temporary LIGHTNING_DATA_DIR, in-process workers: `--concurrency` rollout threads, one
-training thread) unless DATABASE_URL and CELERY_BROKER_URL are set; then the deployment's
-database and broker with worker processes started here (`celery worker -Q rollouts -c
---concurrency` and `-Q training -c 1`).
+`max_staleness=--bound` (consuming by `--consume`, default groups), with an agent whose
+episodes sleep a lognormal time drawn from the rollout's seed (`--median` seconds, `--sigma`:
+p99 / p50 = e^(2.33 sigma), 16x at 1.2) before decoding: what is measured is the scheduling,
+not the agent. Embedded default (SQLite in a temporary LIGHTNING_DATA_DIR, in-process workers:
+`--concurrency` rollout threads, one training thread) unless DATABASE_URL and CELERY_BROKER_URL
+are set; then the deployment's database and broker with worker processes started here (`celery
+worker -Q rollouts -c --concurrency` and `-Q training -c 1`).
 
 For each run: wall time from the job's start to its last step done, the rollout workers' busy
 fraction (attempt seconds / (wall x slots)), the training worker's busy fraction (train seconds
@@ -74,13 +74,15 @@ def _setup(distributed: bool) -> None:
     call_command("migrate", verbosity=0)
 
 
-def _create(steps: int, bound: int) -> int:
+def _create(steps: int, bound: int, consume: str = "groups") -> int:
     from examples.cipher import job_spec
     from store import services as store_services
     from trainer import services
 
     spec = job_spec(seed=0, steps=steps)
     spec["config"].update(max_staleness=bound, val_every=4)
+    if bound:
+        spec["config"]["consume"] = consume
     project = store_services.project_create(name=f"async-bench-{uuid.uuid4().hex[:8]}")
     return services.job_create(
         project=project, agent="bench.async_bench.long_tail_agent", algorithm="grpo",
@@ -114,6 +116,8 @@ def _report(job_id: int, wall: float, slots: int) -> dict:
     trained = sum(s.timings.get("train_seconds", 0.0) for s in steps)
     seen = max((s.metrics.get("staleness_max", 0) for s in steps), default=0)
     replanned = sum(s.stale_rollouts for s in steps)
+    borrowed = sum(s.metrics.get("groups_borrowed", 0) for s in steps)
+    groups = sum(s.metrics.get("groups_trained", 0) for s in steps)
     durations = sorted(episode_seconds(int(a.rollout.input["seed"]))
                        for a in attempts.select_related("rollout"))
     p50, p99 = durations[len(durations) // 2], durations[int(len(durations) * 0.99)]
@@ -124,7 +128,9 @@ def _report(job_id: int, wall: float, slots: int) -> dict:
           f"episodes, {slots} slots; episode sleep p50 {p50:.2f}s p99 {p99:.2f}s = "
           f"{p99 / p50:.1f}x)")
     print(f"{tag} training worker busy {trained / wall:.1%} ({trained:.1f}s training)")
-    print(f"{tag} staleness of samples used: max {seen}, re-planned rollouts {replanned}")
+    print(f"{tag} staleness of samples used: max {seen}, re-planned or left rollouts "
+          f"{replanned}" + (f", groups trained {groups} of which planned by another step "
+                            f"{borrowed}" if groups else ""))
     rewards = "  ".join(f"{s.n}:{s.metrics['val_reward']:.3f}@v{s.resources_version}"
                         for s in steps if "val_reward" in s.metrics)
     print(f"{tag} validation reward per step (step:reward@version) {rewards}")
@@ -147,7 +153,7 @@ def _workers(slots: int) -> list[subprocess.Popen]:
     return processes
 
 
-def main(steps: int, bound: int, slots: int) -> None:
+def main(steps: int, bound: int, slots: int, consume: str = "groups") -> None:
     distributed = bool(os.environ.get("DATABASE_URL") and os.environ.get("CELERY_BROKER_URL"))
     _setup(distributed)
     print(f"async bench: cipher MLP, GRPO, {steps} steps, "
@@ -155,7 +161,7 @@ def main(steps: int, bound: int, slots: int) -> None:
           f"load average {os.getloadavg()[0]:.1f}")
     results = {}
     for s in (0, bound):
-        job_id = _create(steps, s)
+        job_id = _create(steps, s, consume)
         if distributed:
             workers = _workers(slots)
             try:
@@ -182,8 +188,10 @@ if __name__ == "__main__":
     parser.add_argument("--concurrency", type=int, default=64, help="rollout slots")
     parser.add_argument("--median", type=float, default=MEDIAN)
     parser.add_argument("--sigma", type=float, default=SIGMA)
+    parser.add_argument("--consume", choices=["groups", "step"], default="groups",
+                        help="the async job's rule (README: what a step trains on)")
     args = parser.parse_args()
     os.environ["ASYNC_BENCH_MEDIAN"], os.environ["ASYNC_BENCH_SIGMA"] = (
         str(args.median), str(args.sigma))
     MEDIAN, SIGMA = args.median, args.sigma
-    main(args.steps, args.bound, args.concurrency)
+    main(args.steps, args.bound, args.concurrency, args.consume)

@@ -43,7 +43,8 @@ def make_job(*, steps: int = 4, agent: str | None = None, **config) -> TrainingJ
 
 
 def stored_lags(job: TrainingJob) -> dict[int, list[int]]:
-    """Step n -> for each train rollout it trained on, how many versions the oldest version
+    """Step n -> for each train rollout it trained on (`trained`, or its own group's when
+    the job consumes by step), how many versions the oldest version
     that produced it (its pin, or an older one its LLM spans name) lags the version the step
     trained from (the one step n-1 produced), read from the rows alone."""
     steps = {s.n: s for s in job.steps.all()}
@@ -53,8 +54,10 @@ def stored_lags(job: TrainingJob) -> dict[int, list[int]]:
             continue
         base = steps[n - 1].produced_version if n else 1
         lags[n] = []
-        for rollout in Rollout.objects.filter(group_id=step.group_id, mode="train",
-                                              status="succeeded"):
+        # what it trained on: stored when the job consumes groups, else its own group
+        used = (Rollout.objects.filter(pk__in=step.trained) if step.trained else
+                Rollout.objects.filter(group_id=step.group_id, mode="train"))
+        for rollout in used.filter(status="succeeded"):
             served = [a.get(c.LLM_VERSION) + 1 for a in Span.objects.filter(
                 rollout=rollout, attempt_id=rollout.latest_attempt_id,
                 name=c.LLM_CALL_SPAN).values_list("attributes", flat=True)]
@@ -78,7 +81,9 @@ def test_max_staleness_and_steps_ahead_are_checked_naming_the_field():
 
 def test_an_async_job_plans_ahead_and_trains_steps_in_order_within_the_bound(monkeypatch):
     sent = capture_sends(monkeypatch)
-    job = services.job_start(job_id=make_job(steps=5, max_staleness=2).pk)
+    # consume "step": each step trains on its own planned groups (test_trainer_async_pool.py
+    # tests the default, the first complete groups wherever planned)
+    job = services.job_start(job_id=make_job(steps=5, max_staleness=2, consume="step").pk)
     # steps 0, 1 and 2 are rolling at once, all against checkpoint 0 (version 1)
     assert list(job.steps.values_list("n", "resources_version").order_by("n")) == [
         (0, 1), (1, 1), (2, 1)]
@@ -129,7 +134,8 @@ def test_groups_past_the_bound_are_planned_again_and_counted(monkeypatch):
     sent = capture_sends(monkeypatch)
     # A gateway one checkpoint behind: each sample is a version older than its pin, so a
     # group planned a step ahead (pin lag 1) is 2 versions old when its step trains.
-    job = make_job(steps=4, max_staleness=1,
+    # (consume "step": whole steps planned again; test_trainer_async_pool.py: groups)
+    job = make_job(steps=4, max_staleness=1, consume="step",
                    agent="tests.trainer_agents.lagging_gateway_agent")
     job = drive(services.job_start(job_id=job.pk), sent)
     assert job.status == JobStatus.SUCCEEDED, job.error

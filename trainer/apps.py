@@ -20,6 +20,8 @@ class TrainerConfig(AppConfig):
         # the finishing process take it at once, the control sweep takes what a nudge missed.
         hooks.on_groups_completed(GROUP_OWNER, reactions.groups_completed)
         register_reconciler("training_groups", reactions.groups_completed)
+        # An asynchronous job's step may train once enough groups finished (trainer/pool.py).
+        hooks.on_rollouts_finished(reactions.rollouts_finished)
         # The control sweep re-sends training steps left by a dead worker (and steps whose
         # completion was not acted on, or whose deadline passed).
         register_reconciler("training_steps", services.steps_redispatch)

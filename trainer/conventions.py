@@ -35,6 +35,10 @@ LLM_LOGPROBS_OF = "lightning.llm.logprobs_of"
 LLM_TEMPERATURE = "lightning.llm.temperature"  # float: the temperature sampled at (0 = greedy)
 LLM_TOP_P = "lightning.llm.top_p"  # float
 LLM_VERSION = "lightning.llm.version"  # int: the checkpoint version that generated it
+# Rollout metadata, True: the gateway serves each of the rollout's calls with the newest
+# published version instead of the pinned one (partial rollouts: an episode in flight when a
+# version is published continues on it; each call's span says which served it).
+LLM_LATEST = "lightning.llm.latest"
 # str: sha256 of the request body, which binds an idempotency key to it (trainer/llm/calls.py)
 LLM_REQUEST_SHA256 = "lightning.llm.request_sha256"
 LLM_FINISH = "gen_ai.response.finish_reasons"

@@ -234,7 +234,8 @@ def _gather(member: GangMember, config: dict[str, Any],
 
 
 def _run(member: GangMember, step: TrainingStep, meter: CpuMeter, retry: RetryPolicy) -> str:
-    if (outcome := services.step_precheck(step, retry)) is not None:
+    outcome, picked = services.step_precheck(step, retry)
+    if outcome is not None:
         return outcome  # every member looks; one acts, before any rank starts
     config = services.job_config(step.job)
     members = list(GangMember.objects.filter(step=step, attempt=member.attempt)
@@ -260,7 +261,7 @@ def _run(member: GangMember, step: TrainingStep, meter: CpuMeter, retry: RetryPo
 
     try:
         with lease_kept(step, config["step_lease_seconds"]):
-            result = services.train_run(step, run_update)
+            result = services.train_run(step, run_update, picked)
     except Exception:
         error = f"gang node {member.node_rank} ({member.worker}):\n" + traceback.format_exc(
             limit=8)

@@ -92,6 +92,9 @@ class TrainingStep(models.Model):
     # because a sample aged past the bound, and how many rollouts those groups held.
     stale_replans = models.PositiveIntegerField(default=0)
     stale_rollouts = models.PositiveIntegerField(default=0)
+    # Asynchronous jobs consuming groups (config consume "groups"): the ids of the train
+    # rollouts this step trained on, wherever planned (written when it is done).
+    trained = models.JSONField(default=list, blank=True)
     # A claimed step belongs to its worker until then; after it the sweep sends it again.
     lease_until = models.DateTimeField(null=True, blank=True)
     worker = models.CharField(max_length=200, blank=True)

@@ -16,7 +16,8 @@ from core import control, devices
 from core.queues import Queue
 from store import selectors as store_selectors
 from store.models import ResourceVersion, Rollout, RolloutGroup, Span
-from store.statemachine import ROLLOUT_TERMINAL
+from store.statemachine import ROLLOUT_TERMINAL, RolloutStatus
+from trainer import conventions as c
 from trainer import staleness
 from trainer.algorithms import FinishedRollout
 from trainer.models import GangMember, JobStatus, StepStatus, TrainingJob, TrainingStep
@@ -63,25 +64,95 @@ def step_open_rollout_ids(*, step: TrainingStep) -> list[str]:
 
 def step_finished_rollouts(*, step: TrainingStep) -> list[FinishedRollout]:
     """Terminal rollouts of the step with the spans of their latest attempt, in plan order."""
-    rollouts = list(
-        step_rollouts(step=step).filter(status__in=ROLLOUT_TERMINAL)
-        .values("pk", "mode", "status", "input", "resources_version")
+    return _finished(step_rollouts(step=step).filter(status__in=ROLLOUT_TERMINAL))
+
+
+def _finished(rollouts: Any) -> list[FinishedRollout]:
+    """FinishedRollouts of a queryset of terminal rollouts, in plan order."""
+    rows = list(
+        rollouts.values("pk", "mode", "status", "input", "resources_version", "metadata")
         # plan order: one enqueue stamps its rollouts' start_time a microsecond apart
         .order_by("start_time", "pk")
     )
-    spans: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    rows = Span.objects.filter(
-        rollout_id__in=[r["pk"] for r in rollouts], attempt_id=F("rollout__latest_attempt_id")
-    ).values("rollout_id", "name", "attributes", "sequence_id")
-    for row in rows.iterator():
-        spans[row["rollout_id"]].append(row)
+    spans = _latest_spans([r["pk"] for r in rows])
     return [
         FinishedRollout(rollout_id=r["pk"], mode=r["mode"] or "train", status=r["status"],
                         input=r["input"], spans=spans[r["pk"]],
                         version=staleness.rollout_version(r["resources_version"],
-                                                          spans[r["pk"]]))
-        for r in rollouts
+                                                          spans[r["pk"]],
+                                                          partial=_partial(r["metadata"])))
+        for r in rows
     ]
+
+
+def _partial(metadata: Any) -> bool:
+    """A partial rollout (trainer/conventions.py LLM_LATEST): its calls on the newest version."""
+    return isinstance(metadata, dict) and metadata.get(c.LLM_LATEST) is True
+
+
+def _latest_spans(rollout_ids: list[str]) -> dict[str, list[dict[str, Any]]]:
+    spans: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    rows = Span.objects.filter(
+        rollout_id__in=rollout_ids, attempt_id=F("rollout__latest_attempt_id")
+    ).values("rollout_id", "name", "attributes", "sequence_id")
+    for row in rows.iterator():
+        spans[row["rollout_id"]].append(row)
+    return spans
+
+
+def job_consumed(*, job: TrainingJob) -> set[str]:
+    """The rollouts the job's done steps trained on (asynchronous jobs consuming groups)."""
+    consumed: set[str] = set()
+    for trained in job.steps.filter(status=StepStatus.DONE).values_list("trained", flat=True):
+        consumed.update(trained or [])
+    return consumed
+
+
+def pool_units(*, job: TrainingJob, through_n: int, spans: bool = False,
+               ) -> tuple[list[staleness.Unit], dict[str, FinishedRollout]]:
+    """The train groups not trained on yet in the current rounds of steps 0..`through_n`
+    (staleness.Unit: plan order, completeness, oldest version), and with `spans` the
+    FinishedRollouts of the complete ones, their versions read from their LLM spans too
+    (without: their pins). One query of rollouts, one of spans."""
+    steps = {s["group_id"]: s for s in job.steps.filter(n__lte=through_n, group__isnull=False)
+             .exclude(status__in=[StepStatus.FAILED, StepStatus.CANCELLED])
+             .values("n", "round", "group_id")}
+    consumed = job_consumed(job=job)
+    rows = (Rollout.objects.filter(group_id__in=list(steps))
+            .values("pk", "mode", "status", "input", "resources_version", "group_id",
+                    "metadata")
+            .order_by("start_time", "pk"))
+    members: dict[tuple[Any, ...], list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        if (row["mode"] or "train") != "train" or row["pk"] in consumed:
+            continue
+        task = row["input"].get("group") if isinstance(row["input"], dict) else None
+        members[(row["group_id"], task if task is not None else row["pk"])].append(row)
+    complete = {key for key, rs in members.items()
+                if all(r["status"] in ROLLOUT_TERMINAL for r in rs)}
+    finished: dict[str, FinishedRollout] = {}
+    if spans:
+        ids = [r["pk"] for key in complete for r in members[key]]
+        by_id = _latest_spans(ids)
+        for key in complete:
+            for r in members[key]:
+                finished[r["pk"]] = FinishedRollout(
+                    rollout_id=r["pk"], mode="train", status=r["status"], input=r["input"],
+                    spans=by_id[r["pk"]],
+                    version=staleness.rollout_version(r["resources_version"], by_id[r["pk"]],
+                                                      partial=_partial(r["metadata"])))
+    units = []
+    for index, (key, rs) in enumerate(members.items()):
+        step = steps[key[0]]
+        pinned = [finished[r["pk"]].version if r["pk"] in finished else r["resources_version"]
+                  for r in rs]
+        known = [v for v in pinned if v is not None]
+        units.append(staleness.Unit(
+            key=key, order=(step["n"], step["round"], index),
+            rollout_ids=tuple(r["pk"] for r in rs), version=min(known) if known else None,
+            complete=key in complete,
+            cancelled=any(r["status"] == RolloutStatus.CANCELLED for r in rs)))
+    return units, finished
 
 
 def step_rollout_counts(*, step: TrainingStep) -> dict[str, int]:

@@ -36,7 +36,7 @@ from store.errors import IllegalTransition, InvalidInput
 from store.models import Project
 from store.services import RolloutSpec
 from store.statemachine import ROLLOUT_TERMINAL, RolloutConfig, RolloutStatus
-from trainer import checkpoints, delivery, distributed, selectors, staleness
+from trainer import checkpoints, delivery, distributed, pool, selectors, staleness
 from trainer.algorithms import Algorithm, algorithm_load
 from trainer.lease import lease_kept
 from trainer.models import (
@@ -225,20 +225,11 @@ def _step_plan(job: TrainingJob, algorithm: Algorithm, *, n: int, resources_vers
         RolloutSpec(
             input=p.input, mode=p.mode, resources_id=job.resources_id,
             config=config["rollout_config"],
-            metadata={"trainer.job": job.pk, "trainer.step": n},
+            metadata=pool.rollout_metadata(job, config, n),
         )
         for p in planned
     ]
-    rollouts = store_services.rollout_enqueue_many(project=job.project, specs=specs,
-                                                   group=group)
-    # Delivered by Celery messages: the store records it, so the reconciliation sweep sends
-    # again any message lost on the way.
-    marked = store_services.rollout_dispatch_set(
-        project=job.project, rollout_ids=[r.pk for r in rollouts],
-        dispatch=delivery.CELERY_DISPATCH, target=job.agent,
-    )
-    ids = [d.rollout_id for d in marked]
-    transaction.on_commit(lambda: delivery.send_rollouts(job.project_id, ids), robust=True)
+    pool.rollouts_send(job, group, specs)
     if not specs:
         step_check_ready(step_id=step.pk)
     return step
@@ -258,6 +249,11 @@ def step_check_ready(*, step_id: int, now: datetime | None = None) -> bool:
         return False
     finished = step.group is None or step.group.finished >= step.group.total
     overdue = step.deadline is not None and step.deadline <= now
+    if _consumes_groups(step):
+        # its own groups may be taken by an earlier step: enough complete groups decide
+        # (trainer/pool.py); its open rollouts stay for later steps unless overdue
+        finished = not overdue and pool.ready(step, job_config(step.job),
+                                              base=_base_version(step))
     if not finished and not overdue:
         return False
     open_ids = [] if finished else selectors.step_open_rollout_ids(step=step)
@@ -362,6 +358,8 @@ class TrainResult:
     published: dict[str, Any] = field(default_factory=dict)  # beside the checkpoint
     # CUDA devices the update ran on (its ranks' when distributed; 0 on the CPU)
     devices: int = 0
+    # the rollouts trained on, when the job consumes groups (stored as the step's `trained`)
+    trained: list[str] | None = None
 
 
 def train_device() -> str:
@@ -386,11 +384,12 @@ def step_train(*, step_id: int, worker: str | None = None,
     step = step_claim(step_id=step_id, worker=worker)
     if step is None:
         return "skipped"
-    if (outcome := step_precheck(step, retry)) is not None:
+    outcome, picked = step_precheck(step, retry)
+    if outcome is not None:
         return outcome
     try:
         with lease_kept(step, job_config(step.job)["step_lease_seconds"]):
-            result = train_run(step)
+            result = train_run(step, picked=picked)
     except Exception:
         error = traceback.format_exc(limit=8)
         return retry.call(lambda: step_record_failure(
@@ -401,22 +400,32 @@ def step_train(*, step_id: int, worker: str | None = None,
                       what=f"step {step.pk}: finishing")
 
 
-def step_precheck(step: TrainingStep, retry: RetryPolicy = DB_RETRY) -> str | None:
-    """Before a claimed step trains: an asynchronous job's group that aged past the bound is
-    planned again ("replanned"), rollouts that failed beyond the share are a failed try that
-    runs them again ("retry"/"failed"); None: train. Each is a compare-and-swap on the try,
-    so the members of a gang may all call it and one acts."""
-    if staleness.bound(job_config(step.job)) > 0:
+def step_precheck(step: TrainingStep, retry: RetryPolicy = DB_RETRY
+                  ) -> tuple[str | None, pool.Picked | None]:
+    """Before a claimed step trains: an asynchronous job consuming groups picks them (the
+    second item); a group that aged past the bound is planned again ("replanned"), rollouts
+    that failed beyond the share are a failed try that runs them again ("retry"/"failed");
+    a first item None: train. Each is a compare-and-swap on the try, so the members of a gang
+    may all call it and one acts."""
+    picked = None
+    if _consumes_groups(step):
+        picked = retry.call(lambda: pool.pick(step, job_config(step.job),
+                                              base=_base_version(step)),
+                            what=f"step {step.pk}: picking groups")
+        stale = 0 if picked.units else picked.own_past
+    elif staleness.bound(job_config(step.job)) > 0:
         stale = retry.call(lambda: _stale_count(step), what=f"step {step.pk}: staleness")
-        if stale:
-            return retry.call(lambda: _step_replan_stale(step, stale),
-                              what=f"step {step.pk}: planning a stale group again")
+    else:
+        stale = 0
+    if stale:
+        return retry.call(lambda: _step_replan_stale(step, stale),
+                          what=f"step {step.pk}: planning a stale group again"), None
     failure = retry.call(lambda: _rollouts_failure(step), what=f"step {step.pk}: rollouts")
     if failure is not None:
         return retry.call(lambda: step_record_failure(
             step_id=step.pk, attempt=step.attempts, error=failure, rerun_rollouts=True),
-            what=f"step {step.pk}: recording a failure")
-    return None
+            what=f"step {step.pk}: recording a failure"), None
+    return None, picked
 
 
 def step_usage(meter: CpuMeter, result: TrainResult) -> store_services.Usage:
@@ -425,6 +434,12 @@ def step_usage(meter: CpuMeter, result: TrainResult) -> store_services.Usage:
     name = cuda_held()[1] if result.devices else ""
     return store_services.Usage(cpu_seconds=meter.cpu_seconds(),
                                 gpu_seconds=result.seconds * result.devices, gpu_type=name)
+
+
+def _consumes_groups(step: TrainingStep) -> bool:
+    """An asynchronous job consuming groups, at a step that trains (not the final one)."""
+    config = job_config(step.job)
+    return staleness.consumes_groups(config) and step.n < config["steps"]
 
 
 def _stale_count(step: TrainingStep) -> int:
@@ -478,12 +493,15 @@ def _rollouts_failure(step: TrainingStep) -> str | None:
 UpdateRunner = Callable[[Algorithm, int, dict[str, Any], list[Any]], tuple[Any, str, int]]
 
 
-def train_run(step: TrainingStep, run_update: UpdateRunner | None = None) -> TrainResult:
+def train_run(step: TrainingStep, run_update: UpdateRunner | None = None,
+              picked: pool.Picked | None = None) -> TrainResult:
     started = time.perf_counter()
     job = step.job
     config = job_config(job)
     algorithm = algorithm_load(job.algorithm, config)
     rollouts = selectors.step_finished_rollouts(step=step)
+    if picked is not None:  # the groups picked, wherever planned, and its own validation
+        rollouts = picked.rollouts + [r for r in rollouts if r.mode != "train"]
     metrics = algorithm.report(rollouts)
     device = train_device()
     resource, published, devices = None, {}, 0
@@ -493,6 +511,9 @@ def train_run(step: TrainingStep, run_update: UpdateRunner | None = None) -> Tra
             [r.version for r in rollouts if r.mode == "train" and r.succeeded], base=base))
         metrics.update(samples_replanned=step.stale_rollouts, stale_replans=step.stale_replans,
                        trained_from_version=base)
+        if picked is not None:
+            metrics.update(groups_trained=len(picked.units), groups_borrowed=sum(
+                1 for u in picked.units if u.key[0] != step.group_id))
     if algorithm.trains and step.n < config["steps"]:
         version = store_selectors.resources_get(
             project=job.project, resources_id=job.resources_id, version=_base_version(step)
@@ -519,7 +540,7 @@ def train_run(step: TrainingStep, run_update: UpdateRunner | None = None) -> Tra
                                       step=step.n + 1, metrics=metrics)
             published = algorithm.published_resources(resource, job_id=job.pk)
     return TrainResult(resource, metrics, device, time.perf_counter() - started, published,
-                       devices)
+                       devices, None if picked is None else picked.rollout_ids)
 
 
 def step_finish(step: TrainingStep, result: TrainResult,
@@ -533,7 +554,8 @@ def step_finish(step: TrainingStep, result: TrainResult,
         job = TrainingJob.objects.select_for_update().get(pk=step.job_id)
         if not step_move(step.pk, expect=[StepStatus.TRAINING], to=StepStatus.DONE,
                          where=Q(attempts=step.attempts), now=now, metrics=result.metrics,
-                         device=result.device, timings=timings, lease_until=None, error=""):
+                         device=result.device, timings=timings, lease_until=None, error="",
+                         trained=result.trained or []):
             return "lost"
         store_services.usage_record_step(project=job.project, group_id=step.group_id,
                                          usage=usage or store_services.Usage(), now=now)
@@ -563,9 +585,15 @@ def _advance(job: TrainingJob, step: TrainingStep, produced: int, now: datetime)
     if staleness.bound(config) == 0:
         _step_plan(job, algorithm, n=step.n + 1, resources_version=produced)
         return
-    # Asynchronous: plan what the pacing allows that is not planned yet (pinned to the
-    # version just produced), then the next step may be ready already: its group ran while
-    # this one trained.
+    # Asynchronous: groups no later step may train on are planned again (consuming groups),
+    # then plan what the pacing allows that is not planned yet (pinned to the version just
+    # produced); the next step may be ready already: its group ran while this one trained.
+    if staleness.consumes_groups(config):
+        still_open = pool.replan_past(job, config, base=produced, through_n=step.n,
+                                      again=step.n + 1 < config["steps"])
+        if still_open:
+            transaction.on_commit(lambda: _cancel_rollouts(job.project, still_open),
+                                  robust=True)
     planned = set(job.steps.values_list("n", flat=True))
     for n in staleness.steps_in_flight(config, done=step.n, total=config["steps"]):
         if n not in planned:

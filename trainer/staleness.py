@@ -13,6 +13,7 @@ versions old when their step trains; the runners keep working while a step train
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from statistics import fmean
 from typing import Any
 
@@ -21,6 +22,12 @@ from trainer import conventions as c
 # The most versions a sample may lag that a job may ask for (each step ahead holds a group of
 # rollouts in flight; more than this is a typo, not a plan).
 MAX_BOUND = 16
+
+
+# What the step at version v trains on (job config `consume`, asynchronous jobs): "groups",
+# the first complete groups within the bound, oldest first, wherever planned; "step", its
+# own planned groups only (it waits for their last episode).
+CONSUME_RULES = ("groups", "step")
 
 
 def bound(config: Mapping[str, Any]) -> int:
@@ -44,6 +51,12 @@ def config_error(config: Mapping[str, Any]) -> tuple[str, str] | None:
                               or not 0 <= ahead <= s):
         return ("config.steps_ahead", f"must be an integer from 0 to max_staleness ({s}): a "
                 "step planned further ahead would always be too stale to train on")
+    partial = config.get("partial_rollouts", False)
+    if not isinstance(partial, bool) or (partial and not s):
+        return ("config.partial_rollouts", "must be true or false, and true only with "
+                "max_staleness > 0 (a synchronous step's rollouts all run on one version)")
+    if config.get("consume", "groups") not in CONSUME_RULES:
+        return "config.consume", f"must be one of {', '.join(CONSUME_RULES)}"
     cap = config.get("importance_cap", 2.0)
     if isinstance(cap, bool) or not isinstance(cap, int | float) or cap < 1:
         return "config.importance_cap", "must be a number >= 1"
@@ -60,15 +73,27 @@ def steps_in_flight(config: Mapping[str, Any], *, done: int | None, total: int) 
     return range(first, min(first + steps_ahead(config), total - 1) + 1)
 
 
-def rollout_version(pinned: int | None, spans: Iterable[Mapping[str, Any]]) -> int | None:
+def partial_rollouts(config: Mapping[str, Any]) -> bool:
+    """Whether the job's LLM rollouts continue on each newly published version (each call
+    served by the newest one: partial rollouts)."""
+    return bound(config) > 0 and config.get("partial_rollouts") is True
+
+
+def rollout_version(pinned: int | None, spans: Iterable[Mapping[str, Any]], *,
+                    partial: bool = False) -> int | None:
     """The oldest version that produced any part of a rollout: its pinned resources version,
     or older when an LLM call span says an older checkpoint served it (the gateway records
-    `lightning.llm.version`, a checkpoint index: resources version = index + 1)."""
-    versions = [] if pinned is None else [pinned]
+    `lightning.llm.version`, a checkpoint index: resources version = index + 1). A partial
+    rollout's calls were each served by the newest version: its oldest token's version when
+    it has LLM calls (the pin may predate them all), else its pin."""
+    served = []
     for span in spans:
-        served = (span.get("attributes") or {}).get(c.LLM_VERSION)
-        if isinstance(served, int) and not isinstance(served, bool):
-            versions.append(served + 1)
+        version = (span.get("attributes") or {}).get(c.LLM_VERSION)
+        if isinstance(version, int) and not isinstance(version, bool):
+            served.append(version + 1)
+    if partial and served:
+        return min(served)
+    versions = served + ([] if pinned is None else [pinned])
     return min(versions) if versions else None
 
 
@@ -85,3 +110,41 @@ def staleness_metrics(versions: list[int | None], *, base: int) -> dict[str, Any
         return {}
     return {"staleness_mean": fmean(ages), "staleness_max": max(ages),
             "stale_sample_fraction": sum(1 for a in ages if a > 0) / len(ages)}
+
+
+def consumes_groups(config: Mapping[str, Any]) -> bool:
+    """Whether an asynchronous job's steps train on the first complete groups, oldest first."""
+    return bound(config) > 0 and config.get("consume", "groups") == "groups"
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A group of rollouts trained together or not at all (GRPO's rollouts of one task, from
+    one round of one step's plan): `order` is plan order (step, round, first rollout);
+    `version` is the oldest version that produced any of them (None: unknown); `cancelled`:
+    one of them was cancelled (a cancelled job, a step past its deadline), so it can only be
+    planned again."""
+
+    key: tuple[Any, ...]
+    order: tuple[Any, ...]
+    rollout_ids: tuple[str, ...]
+    version: int | None
+    complete: bool
+    cancelled: bool = False
+
+
+def usable(unit: Unit, *, base: int, limit: int) -> bool:
+    return unit.version is None or base - unit.version <= limit
+
+
+def units_pick(units: Iterable[Unit], *, base: int, limit: int, count: int) -> list[Unit]:
+    """The first `count` complete units within the bound, oldest first (plan order): what the
+    step training from version `base` consumes."""
+    ready = sorted((u for u in units if u.complete and not u.cancelled
+                    and usable(u, base=base, limit=limit)), key=lambda u: u.order)
+    return ready[:count]
+
+
+def units_past(units: Iterable[Unit], *, base: int, limit: int) -> list[Unit]:
+    """The units no step from version `base` on may train on: planned again, never dropped."""
+    return [u for u in units if u.cancelled or not usable(u, base=base, limit=limit)]

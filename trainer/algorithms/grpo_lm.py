@@ -181,6 +181,11 @@ class GRPOLM(Algorithm):
         stale = [s for s in samples if s.version is not None and s.version != step]
         if stale:
             metrics["off_policy_samples"] = len(stale)
+        # per generated token, the checkpoint that produced it (partial rollouts: several)
+        made_by = [v for s in trained for v, m in zip(s.versions or [], s.mask, strict=False)
+                   if m and v is not None]
+        if made_by:
+            metrics["stale_token_fraction"] = sum(1 for v in made_by if v != step) / len(made_by)
         size = int(self.config["micro_batch"])
         rank, world_size = distributed.world()
         start, stop = distributed.shard_bounds(len(trained), rank, world_size)

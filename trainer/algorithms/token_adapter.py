@@ -28,12 +28,16 @@ class TokenSample:
     mask: list[int]  # 1 where the model generated the token (trained on), else 0
     old_logprobs: list[float]  # per input token; 0.0 where mask is 0
     reward: float
+    # the oldest checkpoint version that generated any of its tokens (the staleness bound is
+    # checked on it), and per input token the version that generated it (None: not generated
+    # by the model, or not said); a partial rollout's calls may carry several
     version: int | None = None
     # The distribution the tokens were sampled from (trainer/llm/sampling.py) and how the
     # recorded logprobs were computed (conventions.LLM_LOGPROBS_OF; "" = not said).
     temperature: float = 1.0
     top_p: float = 1.0
     logprobs_of: str = ""
+    versions: list[int | None] | None = None
 
     @property
     def generated(self) -> int:
@@ -74,11 +78,12 @@ class TokenAdapter:
         if len(logprobs) != len(response):
             raise ValueError(f"rollout {rollout.rollout_id}: an LLM call span has "
                              f"{len(response)} response tokens but {len(logprobs)} logprobs")
+        version = attributes.get(c.LLM_VERSION)
         return TokenSample(
             rollout_id=rollout.rollout_id, group=rollout.group, input_ids=prompt + response,
             mask=[0] * len(prompt) + [1] * len(response),
             old_logprobs=[0.0] * len(prompt) + logprobs, reward=reward,
-            version=attributes.get(c.LLM_VERSION),
+            version=version, versions=[None] * len(prompt) + [version] * len(response),
             temperature=float(_first(attributes, c.LLM_TEMPERATURE, "gen_ai.request.temperature",
                                      default=1.0)),
             top_p=float(_first(attributes, c.LLM_TOP_P, "gen_ai.request.top_p", default=1.0)),
@@ -90,6 +95,7 @@ class TokenAdapter:
         """One sample for the episode, or [] when a turn does not extend the previous one."""
         ids, mask, logprobs = list(turns[0].input_ids), list(turns[0].mask), \
             list(turns[0].old_logprobs)
+        versions = list(turns[0].versions or [None] * len(ids))
         for turn in turns[1:]:
             if turn.input_ids[:len(ids)] != ids:
                 return []
@@ -97,13 +103,15 @@ class TokenAdapter:
             ids += turn.input_ids[len(ids):]
             mask += turn.mask[-extra:] if extra else []
             logprobs += turn.old_logprobs[-extra:] if extra else []
+            versions += (turn.versions or [None] * len(turn.input_ids))[-extra:] if extra else []
         first = turns[0]
+        known = [t.version for t in turns if t.version is not None]
         return [TokenSample(first.rollout_id, first.group, ids, mask, logprobs, first.reward,
-                            turns[-1].version, first.temperature, first.top_p,
+                            min(known) if known else None, first.temperature, first.top_p,
                             first.logprobs_of if all(t.logprobs_of == first.logprobs_of and
                                                      t.temperature == first.temperature and
                                                      t.top_p == first.top_p for t in turns)
-                            else "")]
+                            else "", versions)]
 
 
 def _first(attributes: dict[str, Any], *names: str, default: Any) -> Any:

@@ -52,12 +52,25 @@ def attribute(*, project: Project, rollout_id: str, attempt_id: str) -> Attribut
         if not Rollout.objects.filter(project=project, pk=rollout_id).exists():
             raise NotFound("rollout", rollout_id)
         raise NotFound("attempt", f"{rollout_id}/{attempt_id}")
-    attempt_status, rollout_status, resources_id, resources_version = row
+    attempt_status, rollout_status, resources_id, resources_version, metadata = row
     if attempt_status in ATTEMPT_ENDED or rollout_status in ROLLOUT_TERMINAL:
         raise AttemptFinished(f"attempt {rollout_id}/{attempt_id} is {attempt_status} "
                               f"(rollout {rollout_status}); its calls are no longer recorded")
+    if _serves_latest(metadata):  # a partial rollout: each call on the newest version
+        resources_version = None
     return Attribution(project, rollout_id, attempt_id,
                        _pinned_llm(project.pk, resources_id, resources_version), resources_id)
+
+
+def _serves_latest(metadata: Any) -> bool:
+    """The rollout's metadata (a dict, or its JSON text from a raw cursor) asks for the newest
+    version on each call (conventions.LLM_LATEST)."""
+    if isinstance(metadata, str | bytes):
+        if c.LLM_LATEST.encode() not in (metadata if isinstance(metadata, bytes)
+                                         else metadata.encode()):
+            return False
+        metadata = json.loads(metadata)
+    return isinstance(metadata, dict) and metadata.get(c.LLM_LATEST) is True
 
 
 @functools.cache
@@ -71,7 +84,7 @@ def _attempt_sql() -> str:
 
     return (
         f"SELECT a.{col(a, 'status')}, r.{col(r, 'status')}, r.{col(r, 'resources_id')}, "
-        f"r.{col(r, 'resources_version')} FROM \"{a.db_table}\" a "
+        f"r.{col(r, 'resources_version')}, r.{col(r, 'metadata')} FROM \"{a.db_table}\" a "
         f"JOIN \"{r.db_table}\" r ON a.{col(a, 'rollout')} = r.{col(r, 'id')} "
         f"WHERE r.{col(r, 'id')} = %s AND r.{col(r, 'project')} = %s "
         f"AND a.{col(a, 'attempt_id')} = %s"
