@@ -23,24 +23,49 @@ log = logging.getLogger(__name__)
 
 FinishedCallback = Callable[[list["Rollout"]], None]
 _finished_callbacks: list[FinishedCallback] = []
+# Callbacks that only hurry work a periodic sweep does anyway: a writer that cannot hand
+# over the finished rows (the one-statement verdict) may skip them rather than take its
+# slower full path for every rollout of every project.
+_hurry_only: set[FinishedCallback] = set()
 
 
-def on_rollouts_finished(callback: FinishedCallback) -> FinishedCallback:
-    """Register `callback(rollouts)`; usable as a decorator. Registering twice is a no-op."""
+def on_rollouts_finished(callback: FinishedCallback, hurry_only: bool = False
+                         ) -> FinishedCallback:
+    """Register `callback(rollouts)`; usable as a decorator. Registering twice is a no-op.
+    `hurry_only`: the callback only brings forward what a sweep does later, so writers
+    without the rows may skip it (see has_finished_callbacks)."""
     if callback not in _finished_callbacks:
         _finished_callbacks.append(callback)
+    if hurry_only:
+        _hurry_only.add(callback)
     return callback
 
 
 def remove_rollouts_finished(callback: FinishedCallback) -> None:
     if callback in _finished_callbacks:
         _finished_callbacks.remove(callback)
+    _hurry_only.discard(callback)
 
 
 def has_finished_callbacks() -> bool:
     """Whether this process registered any rollouts-finished callback (a writer that cannot
-    hand them the finished rows leaves the work to one that can)."""
-    return bool(_finished_callbacks)
+    hand them the finished rows leaves the work to one that can); hurry-only ones do not
+    count."""
+    return any(callback not in _hurry_only for callback in _finished_callbacks)
+
+
+def has_hurry_callbacks() -> bool:
+    """Whether a hurry-only callback is registered (a writer without the rows reads them)."""
+    return bool(_hurry_only)
+
+
+def call_hurry_callbacks(rollouts: list[Rollout]) -> None:
+    """Run the hurry-only callbacks with rows a writer read after its commit."""
+    for callback in [c for c in _finished_callbacks if c in _hurry_only]:
+        try:
+            callback(rollouts)
+        except Exception:  # a listener's bug must not break the store's writer
+            log.exception("rollouts-finished callback %r failed", callback)
 
 
 def finished_notices(rollouts: Iterable[Rollout]) -> list[tuple[str, int]]:

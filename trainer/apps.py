@@ -21,7 +21,9 @@ class TrainerConfig(AppConfig):
         hooks.on_groups_completed(GROUP_OWNER, reactions.groups_completed)
         register_reconciler("training_groups", reactions.groups_completed)
         # An asynchronous job's step may train once enough groups finished (trainer/pool.py).
-        hooks.on_rollouts_finished(reactions.rollouts_finished)
+        # Hurry-only: the control sweep checks rolling steps anyway, and the one-statement
+        # verdict (Postgres) must stay open to every project's rollouts.
+        hooks.on_rollouts_finished(reactions.rollouts_finished, hurry_only=True)
         # The control sweep re-sends training steps left by a dead worker (and steps whose
         # completion was not acted on, or whose deadline passed).
         register_reconciler("training_steps", services.steps_redispatch)

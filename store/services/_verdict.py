@@ -35,12 +35,13 @@ from django.conf import settings
 from django.db import connection
 
 from store import hooks, rules, wakeups
-from store.models import Attempt, Project, Worker
+from store.models import Attempt, Project, Rollout, Worker
 from store.services._ledger import Usage, cost_sql, fixed_cost, gateway_tokens_sql
 from store.services._rows import KEY_LIVE_SQL, LiveKey, _columns, fetch_one_prepared, row_instance
 from store.statemachine import (
     ATTEMPT_FINAL,
     ATTEMPT_LIVE,
+    ROLLOUT_TERMINAL,
     AttemptStatus,
 )
 
@@ -78,6 +79,10 @@ def finish(project: Project, rollout_id: str, attempt_id: str, status: str, now:
     owners = row[width]
     if owners:
         hooks.notify_groups_completed(sorted(set(owners)))  # committed: as on_commit would
+    if hooks.has_hurry_callbacks():  # committed: read the rollout for them if it finished
+        rollout = Rollout.objects.filter(pk=rollout_id, status__in=ROLLOUT_TERMINAL).first()
+        if rollout is not None:
+            hooks.call_hurry_callbacks([rollout])
     return row_instance(Attempt, list(row[:width]))
 
 
