@@ -51,6 +51,7 @@ def gang_job(name: str, **config):
     ({"nodes": 0}, "config.nodes: must be an integer from 1 to 16"),
     ({"nodes": 2, "world_size": 3}, "world_size=3 must be a multiple of nodes=2"),
     ({"nodes": 2, "world_size": 4, "parallel": "fsdp"}, "a gang across nodes runs DDP only"),
+    ({"nodes": 2, "world_size": 4, "max_staleness": 1}, "with max_staleness, set consume: step"),
 ])
 def test_nodes_must_divide_world_size_and_run_ddp(config, message):
     spec = job_spec(steps=1)

@@ -93,6 +93,12 @@ def nodes_error(config: dict[str, Any]) -> str | None:
     if value > 1 and config.get("parallel", "ddp") != "ddp":
         return ("a gang across nodes runs DDP only (FSDP's ranks write one checkpoint "
                 "directory, which nodes do not share); parallel must be ddp")
+    if (value > 1 and (config.get("max_staleness") or 0) > 0
+            and config.get("consume", "groups") == "groups"):
+        # Each member picks the groups itself (trainer/pool.py), reading the store at its own
+        # moment: two members could train on different groups.
+        return ("a gang across nodes trains on its step's own groups; with max_staleness, "
+                "set consume: step")
     return None
 
 
