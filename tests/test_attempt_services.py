@@ -1,6 +1,6 @@
 import pytest
 
-from store import services
+from store import hooks, services
 from store.errors import IllegalTransition, InvalidInput, NotFound
 from store.models import Rollout, Worker
 from store.services import AttemptUpdate, RolloutSpec
@@ -137,7 +137,6 @@ def test_update_many_is_all_or_nothing(project):
 
 
 def test_rollout_finished_hook_fires_after_commit(project, django_capture_on_commit_callbacks):
-    from store import hooks
     seen = []
     hooks.on_rollouts_finished(seen.extend)
     try:
@@ -237,11 +236,13 @@ def _statements(queries) -> list[str]:
 @pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
 def test_a_verdict_on_postgres_is_one_locking_statement_and_one_write_with_its_wakeups(
-        project):
+        project, monkeypatch):
     """Both locks (attempts, then rollouts) in one statement; the writes and the wake-up
     (pg_notify, delivered at commit) in another. A bare final verdict is all of it in one
     statement (store/services/_verdict.py); a failure the config retries is left by that
     statement (nothing written) to those two."""
+    # The statements alone: a hurry-only listener (the trainer's) reads the rollout after.
+    monkeypatch.setattr(hooks, "has_hurry_callbacks", lambda: False)
     import psycopg
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
