@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainer.llm import engine_process
+from trainer.llm.batcher import Batcher
 from trainer.llm.engine import Engine, PromptTooLong, Sequence_
 from trainer.llm.openai_api import BadRequest
 
@@ -296,16 +297,8 @@ class EngineProcess:
         for job in jobs:
             self._finish(job, engine_unavailable())
 
-    @staticmethod
-    def _finish(job: RemoteJob, error: BaseException | None) -> None:
-        job.error = error
-        job.started.set()
-        job.done.set()
-        if job.on_done is not None:
-            try:
-                job.on_done(job)
-            except Exception:  # e.g. the caller's event loop closed: nobody waits any more
-                log.warning("a finished request's callback failed", exc_info=True)
+    # A request ends as the in-process batcher ends one (error, events, the caller's callback).
+    _finish = staticmethod(Batcher._finish)
 
 
 def _exception(error: Sequence[str]) -> BaseException:
