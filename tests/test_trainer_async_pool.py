@@ -46,12 +46,15 @@ def trained_ids(job: TrainingJob) -> list[str]:
 
 def assert_none_dropped(job: TrainingJob) -> None:
     """Every train rollout the job planned was trained on by exactly one step, or it was
-    planned again (its input in a later round of the same step) or left in its step's last
-    round when the last training step was done, and counted."""
+    planned again (its input in a later round of the same step, counted on the step) or left
+    in its step's last round when the last training step was done (counted on the job as
+    surplus: the spare groups' worth)."""
     ids = trained_ids(job)
     assert len(ids) == len(set(ids))
     untrained = selectors.job_rollouts(job=job).filter(mode="train").exclude(pk__in=ids)
-    assert untrained.count() == sum(s.stale_rollouts for s in job.steps.all())
+    job.refresh_from_db()
+    assert untrained.count() == (sum(s.stale_rollouts for s in job.steps.all())
+                                 + job.surplus_rollouts)
     for rollout in untrained.select_related("group"):
         step = job.steps.get(n=rollout.metadata["trainer.step"])
         later = Rollout.objects.filter(group__key__in=step.group_keys(), mode="train",
