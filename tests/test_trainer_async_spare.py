@@ -6,7 +6,10 @@ this process in the order each test chooses; the bound is checked from the store
 
 from __future__ import annotations
 
+import io
+
 import pytest
+from django.core.management import call_command
 
 from store import services as store_services
 from store.errors import InvalidInput
@@ -94,6 +97,9 @@ def test_the_last_step_trains_on_a_spare_group_and_the_slow_one_is_counted_and_c
     assert all(0 <= lag <= 1 for v in trained_lags(job).values() for lag in v)
     assert_none_dropped(job)
     assert [steps[n].produced_version for n in range(3)] == [2, 3, 3]
+    out = io.StringIO()
+    call_command("train_show", str(job.pk), stdout=out)
+    assert "spare groups left untrained: 1 (4 rollouts, open ones cancelled)" in out.getvalue()
 
 
 def test_a_cancelled_job_cancels_its_spare_groups_and_a_resume_plans_them_again(monkeypatch):
