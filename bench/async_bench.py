@@ -10,9 +10,10 @@ grpo_lm, every episode a real call through the model gateway, which runs in this
 embedded default only), each with the example's config, `--steps` training steps (default
 12 and 20), validation every 4 and after the last update, `max_staleness=0` then
 `max_staleness=--bound` (consuming by `--consume`, default groups, with `--spare` spare
-groups, default 8), with an agent whose episodes sleep a lognormal time drawn from the
-rollout's seed (`--median` seconds, `--sigma`: p99 / p50 = e^(2.33 sigma), 16x at 1.2)
-before decoding (or calling the model): what is measured is the scheduling, not the agent.
+groups, default the job's: half a step's groups), with an agent whose episodes sleep a
+lognormal time drawn from the rollout's seed (`--median` seconds, `--sigma`: p99 / p50 =
+e^(2.33 sigma), 16x at 1.2) before decoding (or calling the model): what is measured is the
+scheduling, not the agent.
 Embedded default (SQLite in a temporary LIGHTNING_DATA_DIR, in-process workers:
 `--concurrency` rollout threads, one training thread) unless DATABASE_URL and CELERY_BROKER_URL
 are set; then the deployment's database and broker with worker processes started here (`celery
@@ -98,7 +99,7 @@ def _setup(distributed: bool) -> None:
 
 
 def _create(example: str, steps: int, bound: int, consume: str = "groups",
-            spare: int = 0) -> int:
+            spare: int | None = None) -> int:
     import importlib
 
     from store import services as store_services
@@ -109,7 +110,7 @@ def _create(example: str, steps: int, bound: int, consume: str = "groups",
     spec["config"].update(max_staleness=bound, val_every=val_every)
     if bound:
         spec["config"]["consume"] = consume
-        if consume == "groups":
+        if consume == "groups" and spare is not None:
             spec["config"]["spare_groups"] = spare
     project = store_services.project_create(name=f"async-bench-{uuid.uuid4().hex[:8]}")
     return services.job_create(
@@ -159,8 +160,8 @@ def _report(job_id: int, wall: float, slots: int) -> dict:
     print(f"{tag} staleness of samples used: max {seen}, re-planned or left rollouts "
           f"{replanned}" + (f", groups trained {groups} of which planned by another step "
                             f"{borrowed}" if groups else "")
-          + (f", spare groups {job.config.get('spare_groups', 0)}, left untrained at the "
-             f"end {job.surplus_groups}" if groups else ""))
+          + (f", spare groups {job.config.get('spare_groups')} (None: half a step's), left "
+             f"untrained at the end {job.surplus_groups}" if groups else ""))
     rewards = "  ".join(f"{s.n}:{s.metrics['val_reward']:.3f}@v{s.resources_version}"
                         for s in steps if "val_reward" in s.metrics)
     print(f"{tag} validation reward per step (step:reward@version) {rewards}")
@@ -184,7 +185,7 @@ def _workers(slots: int) -> list[subprocess.Popen]:
 
 
 def main(example: str, steps: int, bound: int, slots: int, consume: str = "groups",
-         spare: int = 0) -> None:
+         spare: int | None = None) -> None:
     distributed = bool(os.environ.get("DATABASE_URL") and os.environ.get("CELERY_BROKER_URL"))
     if distributed and example == "llm":
         raise SystemExit("--example llm runs on the embedded default only (its gateway runs "
@@ -232,8 +233,8 @@ if __name__ == "__main__":
     parser.add_argument("--sigma", type=float, default=SIGMA)
     parser.add_argument("--consume", choices=["groups", "step"], default="groups",
                         help="the async job's rule (README: what a step trains on)")
-    parser.add_argument("--spare", type=int, default=8,
-                        help="the async job's spare_groups (consuming groups)")
+    parser.add_argument("--spare", type=int,
+                        help="the async job's spare_groups (default: the job's default)")
     args = parser.parse_args()
     os.environ["ASYNC_BENCH_MEDIAN"], os.environ["ASYNC_BENCH_SIGMA"] = (
         str(args.median), str(args.sigma))

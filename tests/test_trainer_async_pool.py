@@ -71,7 +71,8 @@ def finish(job: TrainingJob, claimed) -> None:
 
 def test_a_slow_group_does_not_hold_its_step_a_later_step_trains_on_it(monkeypatch):
     sent = capture_sends(monkeypatch)
-    job = services.job_start(job_id=make_job(steps=4, max_staleness=2).pk)
+    # no spare groups: the pool holds only the steps' own (test_trainer_async_spare.py)
+    job = services.job_start(job_id=make_job(steps=4, max_staleness=2, spare_groups=0).pk)
     step0 = job.steps.get(n=0)
     slow = store_services.rollout_dequeue(project=job.project, worker_id="slow")
     assert slow is not None and slow[0].group_id == step0.group_id
@@ -104,7 +105,7 @@ def test_a_slow_group_does_not_hold_its_step_a_later_step_trains_on_it(monkeypat
 
 def test_a_group_past_the_bound_is_planned_again_counted_and_never_trained(monkeypatch):
     sent = capture_sends(monkeypatch)
-    job = services.job_start(job_id=make_job(steps=4, max_staleness=1).pk)
+    job = services.job_start(job_id=make_job(steps=4, max_staleness=1, spare_groups=0).pk)
     step0 = job.steps.get(n=0)
     slow = store_services.rollout_dequeue(project=job.project, worker_id="slow")
     assert slow is not None and slow[0].group_id == step0.group_id

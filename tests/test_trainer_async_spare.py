@@ -37,6 +37,18 @@ def test_spare_groups_are_checked_naming_the_field():
         make_job(max_staleness=2, consume="step", spare_groups=1)
 
 
+def test_by_default_an_async_job_consuming_groups_plans_half_a_steps_groups_spare(
+        monkeypatch):
+    capture_sends(monkeypatch)
+    assert staleness.spare_groups({"max_staleness": 1}, planned=8) == 4
+    assert staleness.spare_groups({"max_staleness": 1}, planned=5) == 3
+    assert staleness.spare_groups({"max_staleness": 1, "consume": "step"}, planned=8) == 0
+    assert staleness.spare_groups({}, planned=8) == 0  # synchronous
+    job = services.job_start(job_id=make_job(max_staleness=1).pk)  # 2 groups a step
+    assert job.config["spare_groups"] is None and spare_rollouts(job).count() == 4
+    assert not spare_rollouts(services.job_start(job_id=make_job().pk)).exists()
+
+
 def test_step_0_plans_the_spare_groups_beside_its_own_the_same_ones_every_run(monkeypatch):
     capture_sends(monkeypatch)
     inputs = []

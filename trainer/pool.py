@@ -76,14 +76,15 @@ def _spare(metadata: Any) -> bool:
 
 def spare_plan(algorithm: Algorithm, job: TrainingJob, config: dict[str, Any],
                planned: list[PlannedRollout]) -> list[PlannedRollout]:
-    """The job's spare groups (config `spare_groups`), planned with step 0 beside its own
-    plan `planned`: the first train units of the plans of the steps after the last one
-    (`steps`, `steps` + 1, ...: seeds no step uses, so every run plans the same ones),
-    leaving out tasks step 0 plans itself (their rollouts would join its units)."""
-    want = staleness.spare_groups(config)
+    """The job's spare groups (config `spare_groups`, default half of step 0's own groups),
+    planned with step 0 beside its own plan `planned`: the first train units of the plans
+    of the steps after the last one (`steps`, `steps` + 1, ...: seeds no step uses, so every
+    run plans the same ones), leaving out tasks step 0 plans itself (their rollouts would
+    join its units)."""
+    own = {_task(p) for p in planned if p.mode == "train"}
+    want = staleness.spare_groups(config, planned=len(own))
     if not want:
         return []
-    own = {_task(p) for p in planned if p.mode == "train"}
     units: dict[Any, list[PlannedRollout]] = {}
     for n in range(config["steps"], config["steps"] + want + 1):
         fresh: dict[Any, list[PlannedRollout]] = defaultdict(list)

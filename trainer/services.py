@@ -84,6 +84,10 @@ JOB_DEFAULTS: dict[str, Any] = {
     # it; 0: the synchronous loop. `steps_ahead` (default: max_staleness) is the pacing: how
     # many later steps' rollouts may run while a step trains.
     "max_staleness": 0,
+    # consuming groups (`consume`, trainer/pool.py): groups planned beyond what the steps
+    # train on, so no step waits for the slowest; None: half the groups step 0 trains on
+    # (README "Asynchronous training", spare groups)
+    "spare_groups": None,
     # the store's RolloutConfig of the job's rollouts: a killed runner's rollout is retried
     "rollout_config": {"timeout_seconds": 300, "unresponsive_seconds": 60, "max_attempts": 3,
                        "retry_condition": ["timeout", "unresponsive"]},
