@@ -35,11 +35,13 @@ import math
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
+from datetime import datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -162,10 +164,29 @@ def _report(job_id: int, wall: float, slots: int) -> dict:
                             f"{borrowed}" if groups else "")
           + (f", spare groups {job.config.get('spare_groups')} (None: half a step's), left "
              f"untrained at the end {job.surplus_groups}" if groups else ""))
+    waits = _waits(steps)
+    print(f"{tag} wait for what a step trains on once its turn came (ready - max(previous "
+          f"step done, planned)): step 0 {waits[0]:.1f}s, steps 1-{len(steps) - 2} median "
+          f"{statistics.median(waits[1:-1]):.1f}s, last training step {waits[-2]:.1f}s, "
+          f"final evaluation {waits[-1]:.1f}s")
     rewards = "  ".join(f"{s.n}:{s.metrics['val_reward']:.3f}@v{s.resources_version}"
                         for s in steps if "val_reward" in s.metrics)
     print(f"{tag} validation reward per step (step:reward@version) {rewards}")
     return {"wall": wall, "seen": seen, "reward": steps[-1].metrics.get("val_reward", 0.0)}
+
+
+def _waits(steps: list) -> list[float]:
+    """Per step, seconds from when it could start (the previous step done, or its planning if
+    later; step 0: its planning) to ready: the wait for its groups and validation."""
+    def at(step, key):
+        return datetime.fromisoformat(step.timings[key])
+
+    waits = []
+    for n, step in enumerate(steps):
+        start = at(step, "planned") if n == 0 else max(at(steps[n - 1], "done"),
+                                                       at(step, "planned"))
+        waits.append((at(step, "ready") - start).total_seconds())
+    return waits
 
 
 def _workers(slots: int) -> list[subprocess.Popen]:
