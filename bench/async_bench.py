@@ -159,8 +159,8 @@ def _report(job_id: int, wall: float, slots: int) -> dict:
           f"episodes, {slots} slots; episode sleep p50 {p50:.2f}s p99 {p99:.2f}s = "
           f"{p99 / p50:.1f}x)")
     print(f"{tag} training worker busy {trained / wall:.1%} ({trained:.1f}s training)")
-    print(f"{tag} staleness of samples used: max {seen}, re-planned or left rollouts "
-          f"{replanned}" + (f", groups trained {groups} of which planned by another step "
+    print(f"{tag} staleness of samples used: max {seen}, rollouts planned again (past the "
+          f"bound) {replanned}" + (f", groups trained {groups} of which planned by another step "
                             f"{borrowed}" if groups else "")
           + (f", spare groups {job.config.get('spare_groups')} (None: half a step's), left "
              f"untrained at the end {job.surplus_groups}" if groups else ""))

@@ -8,7 +8,10 @@ were planned: its own, ones a slow episode held back at earlier steps, or ones o
 planned ahead; as many as its own plan holds. A unit that has aged past the bound before a
 step took it is planned again against the current version (a new round of the step that
 planned it, counted on that step), never dropped. What each step trained on is stored
-(`TrainingStep.trained`), so the bound can be checked from the rows.
+(`TrainingStep.trained`), so the bound can be checked from the rows. Step 0 also plans the
+job's spare groups (config `spare_groups`), so the pool holds more groups than the steps
+need and the last steps do not wait for the slowest; those left when training ends are
+counted on the job (`surplus_groups`) and their open rollouts cancelled.
 """
 
 from __future__ import annotations
