@@ -265,17 +265,36 @@ def job_threshold_reached(*, job: TrainingJob) -> ThresholdReached | None:
     return None
 
 
+def step_quota_reason(*, step_id: int) -> str | None:
+    """Why a step of a running job may not start training yet: its project reached its GPU
+    quota ("quota: 3,612 of 3,600 GPU-seconds in the last 24 h; next free at 14:05 UTC",
+    README "Quotas"); None when it may, or when it is gone."""
+    project_id = (TrainingStep.objects.filter(pk=step_id, job__status=JobStatus.RUNNING)
+                  .values_list("job__project_id", flat=True).first())
+    if project_id is None:
+        return None
+    return store_selectors.gpu_quota_reason(project_id=project_id)
+
+
 def step_waiting_reason(*, step: TrainingStep,
-                        workers: list[tuple[str, list[dict]]] | None = None) -> str | None:
-    """Why a step ready to train (or left by a dead worker) waits: its job's `resources` fit
-    no live training worker ("needs 2 GPUs with >= 40 GB; live training workers: ..."), or its
-    gang (job config `nodes`) is gathering or lacks live workers. None when nothing stands in
-    its way, when the step is not waiting for a worker, or with no registry wired."""
+                        workers: list[tuple[str, list[dict]]] | None = None,
+                        quotas: dict[int, store_selectors.GpuQuota] | None = None) -> str | None:
+    """Why a step ready to train (or left by a dead worker) waits: its project reached its
+    GPU quota (`quotas`: the reached ones by project id, read here when not given), its
+    job's `resources` fit no live training worker ("needs 2 GPUs with >= 40 GB; live
+    training workers: ..."), or its gang (job config `nodes`) is gathering or lacks live
+    workers. None when nothing stands in its way, when the step is not waiting for a worker,
+    or with no registry wired."""
     waiting = step.status == StepStatus.READY or (
         step.status == StepStatus.TRAINING and step.lease_until is not None
         and step.lease_until < timezone.now())
     if not waiting:
         return None
+    if quotas is None:
+        quotas = store_selectors.gpu_quotas(project_ids=[step.job.project_id],
+                                            reached_only=True)
+    if (quota := quotas.get(step.job.project_id)) is not None:
+        return quota.describe()
     config = step.job.config or {}
     need = devices.resources_parse(config.get("resources"))
     nodes = int(config.get("nodes", 1))
@@ -321,9 +340,13 @@ def waiting_steps(*, project_id: int | None = None, job_id: int | None = None
     if job_id is not None:
         steps = steps.filter(job_id=job_id)
     workers = control.live_worker_devices(Queue.TRAINING.value)
+    steps = list(steps)
+    quotas = store_selectors.gpu_quotas(project_ids={s.job.project_id for s in steps},
+                                        reached_only=True)
     found = []
     for step in steps:
-        if (reason := step_waiting_reason(step=step, workers=workers)) is not None:
+        if (reason := step_waiting_reason(step=step, workers=workers,
+                                          quotas=quotas)) is not None:
             found.append((step, reason))
     return found
 
