@@ -20,6 +20,7 @@ from store import services as store_services
 from store.errors import InvalidInput
 from store.models import Project, UsageEntry
 from tests.celery_fixtures import use_broker, wait_until
+from tests.test_trainer_celery import finished
 from tests.test_trainer_gang import gang_job
 from tests.test_trainer_services import make_job
 from tests.trainer_helpers import capture_sends, run_rollouts
@@ -213,13 +214,8 @@ def test_a_celery_training_worker_leaves_the_step_waiting_then_trains_it_once_fr
         assert (step.status, step.attempts) == (StepStatus.READY, 0)
         assert job.steps.count() == 1
         age(rows, hours=13)
-
-        def finished() -> bool:
-            services.steps_sweep()
-            job.refresh_from_db()
-            return job.status in (JobStatus.SUCCEEDED, JobStatus.FAILED)
-
-        wait_until(finished, timeout=180, message="the job did not finish once freed")
+        wait_until(lambda: finished(job, sweep=True), timeout=180,
+                   message="the job did not finish once freed")
     assert job.status == JobStatus.SUCCEEDED, job.error
     assert list(job.steps.values_list("n", "status", "attempts").order_by("n")) == [
         (0, "done", 1), (1, "done", 1)]
