@@ -272,9 +272,12 @@ def _run(member: GangMember, step: TrainingStep, meter: CpuMeter, retry: RetryPo
         return retry.call(lambda: services.step_record_failure(
             step_id=step.pk, attempt=member.attempt, error=error),
             what=f"step {step.pk}: recording a failure")
-    if member.node_rank != 0:
-        return "member"
     usage = services.step_usage(meter, result)
+    if member.node_rank != 0:
+        retry.call(lambda: services.step_record_member_usage(
+            step=step, attempt=member.attempt, usage=usage),
+            what=f"step {step.pk}: gang node {member.node_rank}'s usage")
+        return "member"
     return retry.call(lambda: services.step_finish(step, result, usage),
                       what=f"step {step.pk}: finishing")
 

@@ -453,6 +453,23 @@ def step_usage(meter: CpuMeter, result: TrainResult) -> store_services.Usage:
                                 gpu_seconds=result.seconds * result.devices, gpu_type=name)
 
 
+def step_record_member_usage(*, step: TrainingStep, attempt: int,
+                             usage: store_services.Usage) -> bool:
+    """A gang member's own ledger row (a node other than 0, README "Cost"): what its ranks
+    used, written when its part of try `attempt` ends, while the step's try is that one
+    (training, or done by node 0 already); node 0's row is written with the step's finish.
+    False when the try is gone (failed or taken over: its usage is not billed, as a single
+    worker's failed try)."""
+    with transaction.atomic():
+        ours = (TrainingStep.objects.select_for_update().filter(
+            pk=step.pk, attempts=attempt, status__in=[StepStatus.TRAINING, StepStatus.DONE])
+            .exists())
+        if ours:
+            store_services.usage_record_step(project=step.job.project, group_id=step.group_id,
+                                             usage=usage)
+    return ours
+
+
 def _consumes_groups(step: TrainingStep) -> bool:
     """An asynchronous job consuming groups, at a step that trains (not the final one)."""
     config = job_config(step.job)
@@ -541,7 +558,8 @@ def train_run(step: TrainingStep, run_update: UpdateRunner | None = None,
         if run_update is not None:
             update, device, devices = run_update(algorithm, step.n, state, samples)
             if update is None:
-                return TrainResult(None, metrics, device, time.perf_counter() - started)
+                return TrainResult(None, metrics, device, time.perf_counter() - started,
+                                   devices=devices)
         elif world_size > 1:
             update, device = distributed.update(algorithm, step=step.n, state=state,
                                                 samples=samples, world_size=world_size,
