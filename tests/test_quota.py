@@ -79,6 +79,7 @@ def test_a_step_past_the_quota_waits_with_the_reason_and_starts_when_usage_ages_
     assert f"training step 0 of job {job.pk}: waiting: {reason}" in out.getvalue()
     assert reason in staff.get(f"/jobs/{job.pk}/").text
     assert reason in staff.get(f"/admin/store/project/{project.pk}/change/").text
+    assert selectors.training_backlog() == (0, 0)  # waits for time: no worker wanted for it
 
     # The sweep sends it again and it waits again; nothing new is planned meanwhile.
     rollouts = project.rollouts.count()
@@ -89,6 +90,7 @@ def test_a_step_past_the_quota_waits_with_the_reason_and_starts_when_usage_ages_
 
     age([old, recent], hours=0.6)  # `old` leaves the window: 2,612 left, under the cap
     assert selectors.waiting_steps(job_id=job.pk) == []
+    assert selectors.training_backlog() == (1, 0)
     services.steps_sweep(force=True)
     assert services.step_train(step_id=sent.train_steps.pop(), worker="w") == "done"
     step.refresh_from_db()

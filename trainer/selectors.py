@@ -25,10 +25,15 @@ from trainer.models import GangMember, JobStatus, StepStatus, TrainingJob, Train
 
 def training_backlog() -> tuple[int, int]:
     """(queued, running) training steps: ready ones wait for a training worker, training ones
-    hold one (the scaling signal of the training queue, core/scaling.py)."""
-    counts = dict(TrainingStep.objects.filter(status__in=[StepStatus.READY, StepStatus.TRAINING])
-                  .values_list("status").annotate(n=Count("pk")).order_by())
-    return counts.get(StepStatus.READY, 0), counts.get(StepStatus.TRAINING, 0)
+    hold one (the scaling signal of the training queue, core/scaling.py). A ready step of a
+    project past its GPU quota waits for time, not for a worker: not counted."""
+    counts = list(TrainingStep.objects.filter(status__in=[StepStatus.READY, StepStatus.TRAINING])
+                  .values_list("status", "job__project_id").annotate(n=Count("pk")).order_by())
+    held = store_selectors.gpu_quotas(
+        project_ids={p for status, p, _ in counts if status == StepStatus.READY},
+        reached_only=True)
+    queued = sum(n for status, p, n in counts if status == StepStatus.READY and p not in held)
+    return queued, sum(n for status, _, n in counts if status == StepStatus.TRAINING)
 
 
 def step_rollouts(*, step: TrainingStep) -> Any:
