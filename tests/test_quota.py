@@ -42,6 +42,15 @@ def age(rows: list[UsageEntry], hours: float) -> None:
             created_at=row.created_at - timedelta(hours=hours))
 
 
+@pytest.fixture
+def checkpoints(settings, tmp_path) -> dict:
+    """Checkpoints in a folder of the test's: the storage here, the env for workers."""
+    settings.STORAGES = {**settings.STORAGES, "checkpoints": {
+        "BACKEND": "django.core.files.storage.FileSystemStorage",
+        "OPTIONS": {"location": str(tmp_path)}}}
+    return {"CHECKPOINT_DIR": str(tmp_path)}
+
+
 def ready_step(monkeypatch, **config):
     sent = capture_sends(monkeypatch)
     job = services.job_start(job_id=make_job(steps=1, **config).pk)
@@ -51,10 +60,7 @@ def ready_step(monkeypatch, **config):
 
 @pytest.mark.django_db(transaction=True)
 def test_a_step_past_the_quota_waits_with_the_reason_and_starts_when_usage_ages_out(
-        monkeypatch, staff, tmp_path, settings):
-    settings.STORAGES = {**settings.STORAGES, "checkpoints": {
-        "BACKEND": "django.core.files.storage.FileSystemStorage",
-        "OPTIONS": {"location": str(tmp_path)}}}
+        monkeypatch, staff, checkpoints):
     job, step, sent = ready_step(monkeypatch)
     project = job.project
     store_services.project_quota_set(project=project, gpu_seconds_per_day=3600)
@@ -192,12 +198,8 @@ def test_the_admin_sets_the_cap_and_refuses_a_negative_one(staff):
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.slow
 def test_a_celery_training_worker_leaves_the_step_waiting_then_trains_it_once_freed(
-        rabbitmq_url, celery_workers, tmp_path, settings):
-    path = tmp_path / "checkpoints"
-    settings.STORAGES = {**settings.STORAGES, "checkpoints": {
-        "BACKEND": "django.core.files.storage.FileSystemStorage",
-        "OPTIONS": {"location": str(path)}}}
-    env = {"CHECKPOINT_DIR": str(path)}
+        rabbitmq_url, celery_workers, checkpoints):
+    env = checkpoints
     celery_workers(queues=["rollouts"], broker_url=rabbitmq_url, concurrency=2, env=env)
     trainer = celery_workers(queues=["training"], broker_url=rabbitmq_url, concurrency=1,
                              env=env)
