@@ -46,13 +46,18 @@ class ApiKeyInline(admin.TabularInline):
 
 @admin.register(Project)
 class ProjectAdmin(admin.ModelAdmin):
-    list_display = ("name", "created_at")
+    list_display = ("name", "gpu_seconds_per_day", "created_at")
     search_fields = ("name",)
-    readonly_fields = ("usage",)
+    readonly_fields = ("usage", "gpu_quota")
 
     @admin.display(description="Cost (ledger totals)")
     def usage(self, obj: Project) -> str:
         return selectors.usage_totals(project=obj).describe() if obj.pk else "-"
+
+    @admin.display(description="GPU quota (last 24 h)")
+    def gpu_quota(self, obj: Project) -> str:
+        quota = selectors.gpu_quotas(project_ids=[obj.pk]).get(obj.pk) if obj.pk else None
+        return quota.describe() if quota is not None else "no cap"
     inlines = [ApiKeyInline]
     actions = ["make_runner_key", "make_algorithm_key", "make_admin_key"]
 

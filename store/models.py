@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django.core.validators import MinValueValidator
 from django.db import models
 from django.db.models import Q
 
@@ -21,6 +22,11 @@ class Project(models.Model):
     name = models.SlugField(max_length=100, unique=True)
     description = models.TextField(blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
+    # The cap on the project's ledger GPU-seconds over the last 24 h (store/rules.py
+    # GPU_QUOTA, README "Quotas"): past it, its training steps wait; null: no cap.
+    gpu_seconds_per_day = models.FloatField(
+        null=True, blank=True, validators=[MinValueValidator(0)],
+        help_text="GPU-seconds per rolling 24 h; empty: no cap")
 
     def __str__(self) -> str:
         return self.name
@@ -367,6 +373,10 @@ class UsageEntry(models.Model):
         indexes = [
             # per-project totals and listings, newest first
             models.Index(fields=["project", "created_at"], name="usage_project_time"),
+            # a project's GPU-seconds over the quota's window (store.selectors.gpu_quotas):
+            # only the rows that used a GPU (training steps), not every attempt's
+            models.Index(fields=["project", "created_at"], name="usage_project_gpu_time",
+                         condition=Q(gpu_seconds__gt=0)),
             # per-job totals: the rows of the job's groups
             models.Index(fields=["group_id"], name="usage_group",
                          condition=Q(group_id__isnull=False)),

@@ -21,7 +21,8 @@ from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
-from django.db.models import Q
+from django.db.models import F, Q
+from django.db.models.functions import Coalesce
 
 from store.statuses import (
     ATTEMPT_FINAL,
@@ -430,6 +431,32 @@ group_completed_at_sql = _group_completed_at_sql
 group_completed_now_sql = _group_completed_now_sql
 
 
+# --- Quotas --------------------------------------------------------------------------------------
+
+# A project's GPU-seconds cap (Project.gpu_seconds_per_day) counts its ledger rows of the last
+# 24 h, a rolling window: a row written at t counts while t > now - QUOTA_WINDOW, so it ages out
+# at t + QUOTA_WINDOW (README "Quotas"). The sum is served by the index usage_project_time.
+QUOTA_WINDOW = timedelta(hours=24)
+
+
+def _gpu_quota_reached(used: float | None, cap: float | None) -> bool:
+    """The project used its allowance: the window's GPU-seconds at or past its cap (a cap of
+    0 holds every step); no cap (None) is never reached."""
+    return cap is not None and (used or 0.0) >= cap
+
+
+def _gpu_quota_reached_sql(used: str, cap: str) -> str:
+    return f"({cap} IS NOT NULL AND COALESCE({used}, 0) >= {cap})"
+
+
+def _gpu_quota_reached_q(used: str, cap: str) -> Q:
+    """Over rows annotated with the window's sum (`used`) beside the cap's column."""
+    return Q(**{f"{cap}__isnull": False, f"{cap}__lte": Coalesce(F(used), 0.0)})
+
+
+GPU_QUOTA = Rule("gpu_quota", _gpu_quota_reached, _gpu_quota_reached_sql, _gpu_quota_reached_q)
+
+
 # --- The lock order -------------------------------------------------------------------------------
 
 # Every writer locks rows in this order of tables (within a table, in id order): attempts, then
@@ -448,4 +475,4 @@ def locks_in_order(*tables: str) -> None:
 
 ALL = (LIMIT, DEADLINE, CLAIMABLE, QUEUE_EXPIRED, ATTEMPT_OVERDUE, RETRY, ROLLOUT_FOR_ATTEMPT,
        FOLLOWS, HEARTBEAT_DUE, REVIVES, HEARTBEAT_MOVES_ROLLOUT, ERROR_MERGE, ATTEMPT_ID,
-       WORKER_FOR_ATTEMPT, WORKER_AFTER_CLAIM, GROUP_COUNT, SPAN_COUNTER)
+       WORKER_FOR_ATTEMPT, WORKER_AFTER_CLAIM, GROUP_COUNT, SPAN_COUNTER, GPU_QUOTA)

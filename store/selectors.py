@@ -6,16 +6,17 @@ import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from functools import reduce
 from operator import and_, or_
 from types import SimpleNamespace
 from typing import Any, Generic, TypeVar
 
 from django.db import connection
-from django.db.models import Count, F, OrderBy, Q, QuerySet, Sum
+from django.db.models import Count, F, FloatField, OrderBy, OuterRef, Q, QuerySet, Subquery, Sum
+from django.utils import timezone
 
-from store import waits, wakeups
+from store import rules, waits, wakeups
 from store.errors import BadQuery, InvalidInput, NotFound
 from store.models import (
     Attempt,
@@ -465,3 +466,80 @@ def usage_totals(*, project: Project | None = None, group_ids: Any = None) -> Us
                           cost=Sum("cost"), n=Count("pk"))
     return UsageTotals(sums["cpu"] or 0.0, sums["gpu"] or 0.0, sums["tokens"] or 0,
                        sums["cost"] or 0.0, sums["n"])
+
+
+# --- Quotas (README "Quotas") --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GpuQuota:
+    """A project's GPU-seconds cap and its use over the window (rules.QUOTA_WINDOW)."""
+
+    cap: float
+    used: float
+    # When enough of the window's usage ages out to bring it under the cap; None while under
+    # it, or never (a cap of 0).
+    next_free: datetime | None = None
+
+    @property
+    def reached(self) -> bool:
+        return rules.GPU_QUOTA.python(self.used, self.cap)
+
+    def describe(self) -> str:
+        hours = rules.QUOTA_WINDOW.total_seconds() / 3600
+        text = f"quota: {self.used:,.0f} of {self.cap:,.0f} GPU-seconds in the last {hours:g} h"
+        if not self.reached:
+            return text
+        if self.next_free is None:
+            return f"{text}; a cap of 0 holds every training step"
+        return f"{text}; next free at {self.next_free.astimezone(UTC):%H:%M} UTC"
+
+
+def _gpu_used_in_window(since: datetime) -> Subquery:
+    """The GPU-seconds of the outer project's ledger rows written after `since` (the partial
+    index usage_project_gpu_time: rows that used no GPU are not read)."""
+    rows = (UsageEntry.objects.filter(project_id=OuterRef("pk"), gpu_seconds__gt=0,
+                                      created_at__gt=since)
+            .order_by().values("project_id").annotate(total=Sum("gpu_seconds")).values("total"))
+    return Subquery(rows, output_field=FloatField())
+
+
+def gpu_quotas(*, project_ids: Sequence[int], now: datetime | None = None,
+               reached_only: bool = False) -> dict[int, GpuQuota]:
+    """The GPU quota of each project that has a cap (of those with `reached_only`: the ones
+    at or past it, with the time it frees), by project id; one statement, plus one per
+    reached project for its time."""
+    now = now or timezone.now()
+    since = now - rules.QUOTA_WINDOW
+    projects = (Project.objects.filter(pk__in=list(project_ids),
+                                       gpu_seconds_per_day__isnull=False)
+                .annotate(used=_gpu_used_in_window(since)))
+    if reached_only:
+        projects = projects.filter(rules.GPU_QUOTA.q("used", "gpu_seconds_per_day"))
+    found = {}
+    for pk, cap, used in projects.values_list("pk", "gpu_seconds_per_day", "used"):
+        quota = GpuQuota(cap=cap, used=used or 0.0)
+        if quota.reached:
+            quota = GpuQuota(cap=cap, used=quota.used,
+                             next_free=_gpu_frees_at(pk, quota, since))
+        found[pk] = quota
+    return found
+
+
+def _gpu_frees_at(project_id: int, quota: GpuQuota, since: datetime) -> datetime | None:
+    """The moment the oldest rows of the window have aged out enough for the rest to be under
+    the cap (each row leaves at its created_at + the window)."""
+    left = quota.used
+    rows = (UsageEntry.objects.filter(project_id=project_id, gpu_seconds__gt=0,
+                                      created_at__gt=since)
+            .order_by("created_at").values_list("created_at", "gpu_seconds"))
+    for created_at, gpu_seconds in rows.iterator():
+        left -= gpu_seconds
+        if not rules.GPU_QUOTA.python(left, quota.cap):
+            return created_at + rules.QUOTA_WINDOW
+    return None
+
+
+def gpu_quota_reason(*, project_id: int, now: datetime | None = None) -> str | None:
+    """Why the project's training steps wait (its GPU quota reached), or None."""
+    quota = gpu_quotas(project_ids=[project_id], now=now, reached_only=True).get(project_id)
+    return quota.describe() if quota is not None else None

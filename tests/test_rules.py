@@ -18,8 +18,8 @@ from django.db import connection
 from django.utils import timezone
 from psycopg._queries import MAX_CACHED_STATEMENT_LENGTH
 
-from store import rules
-from store.models import Attempt, Rollout
+from store import rules, selectors
+from store.models import Attempt, Project, Rollout, UsageEntry
 from store.services import (
     RolloutSpec,
     _claim,
@@ -130,6 +130,29 @@ def test_attempt_overdue_orm_form_agrees():
                  .values_list("sequence_id", flat=True))
     expected = {i + 1 for i, case in enumerate(cases) if rules.ATTEMPT_OVERDUE.python(*case, NOW)}
     assert chosen == expected
+
+
+USED = [None, 0, 0.5, 100, 3599.9, 3600, 3612]
+CAPS = [None, 0, 1, 100, 3600]
+
+
+@pytest.mark.django_db
+def test_gpu_quota_agrees():
+    """The fragment (no cap, a cap of 0, at, under and past it, nothing used), and the ORM's
+    form on real projects and ledger rows (store.selectors.gpu_quotas)."""
+    cases = list(itertools.product(USED, CAPS))
+    cast = "%s::float8" if connection.vendor == "postgresql" else "%s"
+    _check(rules.GPU_QUOTA, {"used": cast, "cap": cast}, cases, convert=_as_bool)
+    projects = {}
+    for i, (used, cap) in enumerate(cases):
+        project = project_create(name=f"quota-{i}")
+        Project.objects.filter(pk=project.pk).update(gpu_seconds_per_day=cap)
+        for part in ([] if not used else [used / 2, used / 2]):
+            UsageEntry.objects.create(project=project, kind="step", gpu_seconds=part,
+                                      created_at=NOW - timedelta(hours=1))
+        projects[project.pk] = (used, cap)
+    reached = selectors.gpu_quotas(project_ids=list(projects), reached_only=True)
+    assert set(reached) == {pk for pk, case in projects.items() if rules.GPU_QUOTA.python(*case)}
 
 
 # --- Postgres statements' rules --------------------------------------------------------------
@@ -264,7 +287,7 @@ def test_every_rule_has_its_test():
     tested = {"limit", "deadline", "claimable", "queue_expired", "attempt_overdue", "retry",
               "rollout_for_attempt", "follows", "heartbeat_due", "revives",
               "heartbeat_moves_rollout", "error_merge", "attempt_id", "worker_for_attempt",
-              "worker_after_claim", "group_count", "span_counter"}
+              "worker_after_claim", "group_count", "span_counter", "gpu_quota"}
     assert {rule.name for rule in rules.ALL} == tested
 
 

@@ -25,10 +25,15 @@ from trainer.models import GangMember, JobStatus, StepStatus, TrainingJob, Train
 
 def training_backlog() -> tuple[int, int]:
     """(queued, running) training steps: ready ones wait for a training worker, training ones
-    hold one (the scaling signal of the training queue, core/scaling.py)."""
-    counts = dict(TrainingStep.objects.filter(status__in=[StepStatus.READY, StepStatus.TRAINING])
-                  .values_list("status").annotate(n=Count("pk")).order_by())
-    return counts.get(StepStatus.READY, 0), counts.get(StepStatus.TRAINING, 0)
+    hold one (the scaling signal of the training queue, core/scaling.py). A ready step of a
+    project past its GPU quota waits for time, not for a worker: not counted."""
+    counts = list(TrainingStep.objects.filter(status__in=[StepStatus.READY, StepStatus.TRAINING])
+                  .values_list("status", "job__project_id").annotate(n=Count("pk")).order_by())
+    held = store_selectors.gpu_quotas(
+        project_ids={p for status, p, _ in counts if status == StepStatus.READY},
+        reached_only=True)
+    queued = sum(n for status, p, n in counts if status == StepStatus.READY and p not in held)
+    return queued, sum(n for status, _, n in counts if status == StepStatus.TRAINING)
 
 
 def step_rollouts(*, step: TrainingStep) -> Any:
@@ -265,17 +270,36 @@ def job_threshold_reached(*, job: TrainingJob) -> ThresholdReached | None:
     return None
 
 
+def step_quota_reason(*, step_id: int) -> str | None:
+    """Why a step of a running job may not start training yet: its project reached its GPU
+    quota ("quota: 3,612 of 3,600 GPU-seconds in the last 24 h; next free at 14:05 UTC",
+    README "Quotas"); None when it may, or when it is gone."""
+    project_id = (TrainingStep.objects.filter(pk=step_id, job__status=JobStatus.RUNNING)
+                  .values_list("job__project_id", flat=True).first())
+    if project_id is None:
+        return None
+    return store_selectors.gpu_quota_reason(project_id=project_id)
+
+
 def step_waiting_reason(*, step: TrainingStep,
-                        workers: list[tuple[str, list[dict]]] | None = None) -> str | None:
-    """Why a step ready to train (or left by a dead worker) waits: its job's `resources` fit
-    no live training worker ("needs 2 GPUs with >= 40 GB; live training workers: ..."), or its
-    gang (job config `nodes`) is gathering or lacks live workers. None when nothing stands in
-    its way, when the step is not waiting for a worker, or with no registry wired."""
+                        workers: list[tuple[str, list[dict]]] | None = None,
+                        quotas: dict[int, store_selectors.GpuQuota] | None = None) -> str | None:
+    """Why a step ready to train (or left by a dead worker) waits: its project reached its
+    GPU quota (`quotas`: the reached ones by project id, read here when not given), its
+    job's `resources` fit no live training worker ("needs 2 GPUs with >= 40 GB; live
+    training workers: ..."), or its gang (job config `nodes`) is gathering or lacks live
+    workers. None when nothing stands in its way, when the step is not waiting for a worker,
+    or with no registry wired."""
     waiting = step.status == StepStatus.READY or (
         step.status == StepStatus.TRAINING and step.lease_until is not None
         and step.lease_until < timezone.now())
     if not waiting:
         return None
+    if quotas is None:
+        quotas = store_selectors.gpu_quotas(project_ids=[step.job.project_id],
+                                            reached_only=True)
+    if (quota := quotas.get(step.job.project_id)) is not None:
+        return quota.describe()
     config = step.job.config or {}
     need = devices.resources_parse(config.get("resources"))
     nodes = int(config.get("nodes", 1))
@@ -321,9 +345,13 @@ def waiting_steps(*, project_id: int | None = None, job_id: int | None = None
     if job_id is not None:
         steps = steps.filter(job_id=job_id)
     workers = control.live_worker_devices(Queue.TRAINING.value)
+    steps = list(steps)
+    quotas = store_selectors.gpu_quotas(project_ids={s.job.project_id for s in steps},
+                                        reached_only=True)
     found = []
     for step in steps:
-        if (reason := step_waiting_reason(step=step, workers=workers)) is not None:
+        if (reason := step_waiting_reason(step=step, workers=workers,
+                                          quotas=quotas)) is not None:
             found.append((step, reason))
     return found
 

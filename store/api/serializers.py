@@ -464,6 +464,14 @@ class ProjectIn(serializers.Serializer):
     description = StrictCharField(required=False, allow_blank=True, default="")
 
 
+class QuotaIn(serializers.Serializer):
+    """A field left out stays as it is; null removes the cap (README "Quotas")."""
+
+    gpu_seconds_per_day = FiniteFloatField(
+        required=False, allow_null=True, min_value=0,
+        help_text="cap on the project's ledger GPU-seconds over the last 24 h; null: no cap")
+
+
 # --- outputs ---------------------------------------------------------------------------------
 
 
@@ -660,3 +668,13 @@ class ProjectOut(serializers.Serializer):
     keys = serializers.DictField(
         child=serializers.CharField(), help_text="role -> raw key; shown once, never again"
     )
+
+
+class QuotaOut(serializers.Serializer):
+    project = serializers.CharField()
+    gpu_seconds_per_day = serializers.FloatField(allow_null=True)
+    gpu_seconds_used = serializers.FloatField(
+        allow_null=True, help_text="the ledger's GPU-seconds over the last 24 h (with a cap)")
+    reached = serializers.BooleanField(help_text="the project's training steps wait")
+    next_free = EpochField(allow_null=True, help_text="when enough usage ages out (reached)")
+    reason = serializers.CharField(allow_null=True, help_text="as train_show words it")

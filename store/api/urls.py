@@ -93,6 +93,7 @@ docs = [
 urlpatterns = [
     path("v1/agl/", include(agl)),
     path("v1/projects", v.CreateProjectView.as_view()),
+    path("v1/quota", v.QuotaView.as_view()),
     *otlp_urls,
     *docs,
 ]

@@ -17,7 +17,7 @@ from rest_framework.response import Response
 from store import selectors, services
 from store.api import limits
 from store.api import serializers as s
-from store.api.auth import ALGORITHM_ROLES, PROJECT_ROLES, SITE_ADMIN_ONLY
+from store.api.auth import ADMIN_ONLY, ALGORITHM_ROLES, PROJECT_ROLES, SITE_ADMIN_ONLY
 from store.api.base import StoreView, respond
 from store.api.errors import PayloadTooLarge
 from store.errors import NotFound
@@ -477,6 +477,30 @@ class NextSpanSequenceIdView(StoreView):
 
 
 # --- projects (extension) --------------------------------------------------------------------
+
+
+class QuotaView(StoreView):
+    """Extension: the key's project's quotas (README "Quotas"); an admin key sets them."""
+
+    patch_roles = ADMIN_ONLY
+
+    @extend_schema(responses={200: s.QuotaOut}, operation_id="get_quota")
+    def get(self, request: Request) -> Response:
+        return self._answer(self.project)
+
+    @extend_schema(request=s.QuotaIn, responses={200: s.QuotaOut}, operation_id="set_quota")
+    def patch(self, request: Request) -> Response:
+        return self._answer(services.project_quota_set(project=self.project,
+                                                       **self.body(s.QuotaIn)))
+
+    def _answer(self, project: Any) -> Response:
+        quota = selectors.gpu_quotas(project_ids=[project.pk]).get(project.pk)
+        return respond(s.QuotaOut, {
+            "project": project.name, "gpu_seconds_per_day": project.gpu_seconds_per_day,
+            "gpu_seconds_used": quota.used if quota else None,
+            "reached": bool(quota and quota.reached),
+            "next_free": quota.next_free if quota else None,
+            "reason": quota.describe() if quota and quota.reached else None})
 
 
 class CreateProjectView(StoreView):

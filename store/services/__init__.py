@@ -21,6 +21,7 @@ from store.services.projects import (
     api_key_create,
     project_create,
     project_first_start,
+    project_quota_set,
 )
 from store.services.resources import (
     resources_add,
@@ -68,6 +69,7 @@ __all__ = [
     "group_create",
     "project_create",
     "project_first_start",
+    "project_quota_set",
     "require_key_live",
     "resources_add",
     "resources_retain",
