@@ -50,9 +50,10 @@ from trainer.llm.registry import Registry, Space, UnknownModel
 from trainer.llm.turns import Turns
 
 log = logging.getLogger(__name__)
-# Threads that do a call's database work (authentication, attribution, recording; each with
-# its connection; none waits for the engine): the gateway's share of Postgres connections
-# (README "Deploy", the budget).
+# Threads that do a call's database work (authentication of a key not cached, attribution;
+# each with its connection; none waits for the engine or the store; spans are written by the
+# recorder's thread): the gateway's share of Postgres connections (README "Deploy", the
+# budget).
 DB_THREADS = 64
 
 
@@ -91,6 +92,15 @@ class Gateway:
         # Database work runs on these threads (each keeps its connection); `close` closes them.
         self._threads = threads
         self._db = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="llm-gateway")
+        self._mailbox_: _Mailbox | None = None  # wakes calls (engine and recorder threads)
+
+    def _mailbox(self) -> _Mailbox:
+        """The running event loop's mailbox (a new loop, a new one: tests restart servers)."""
+        loop = asyncio.get_running_loop()
+        mailbox = self._mailbox_
+        if mailbox is None or mailbox.loop is not loop:
+            mailbox = self._mailbox_ = _Mailbox(loop)
+        return mailbox
 
     async def _in_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._db, fn, *args)
@@ -379,11 +389,11 @@ class Gateway:
                     self.upstream_loras.release(prepared.lease)
             prepared.engine_seconds = time.perf_counter() - began
             return
-        loop = asyncio.get_running_loop()
-        finished = loop.create_future()
+        mailbox = self._mailbox()
+        finished = mailbox.loop.create_future()
 
         def wake(job) -> None:  # on the batcher's thread
-            loop.call_soon_threadsafe(lambda: finished.done() or finished.set_result(None))
+            mailbox.post(_settle, finished, None)
 
         job = self.batcher.submit(prepared.engine, prepared.choices, tenant=prepared.project.pk,
                                   on_done=wake)
@@ -447,11 +457,11 @@ class Gateway:
             response_id=prepared.rid, idempotency_key=prepared.key, token_text=prepared.text_of,
             request_sha256=prepared.request_sha256, outputs=outputs,
             retokenized=None if chained is None else not chained)
-        loop = asyncio.get_running_loop()
-        stored = loop.create_future()
+        mailbox = self._mailbox()
+        stored = mailbox.loop.create_future()
 
         def wake(pending: calls.Pending) -> None:  # on the recorder's thread
-            loop.call_soon_threadsafe(_settle, stored, pending.error)
+            mailbox.post(_settle, stored, pending.error)
 
         prepared.pending = self.recorder.submit(prepared.attribution, call, on_done=wake)
         await asyncio.wait_for(stored, calls.RECORD_TIMEOUT)
@@ -459,7 +469,7 @@ class Gateway:
     def _stream(self, prepared: _Prepared, started: float, admitted: tuple[int, int]):
         """Start the call's work now (whether or not the response is ever iterated: it is
         recorded and its admission released in any case) and return the chunks to send."""
-        loop = asyncio.get_running_loop()
+        mailbox = self._mailbox()
         events: asyncio.Queue = asyncio.Queue()
         parsed, created = prepared.parsed, int(started)
         holdback = max((len(s) for s in parsed.params.stop), default=1) - 1
@@ -490,7 +500,7 @@ class Gateway:
             if seq.done:  # its last chunk goes out once the call is recorded
                 finals.append(event)
             else:
-                loop.call_soon_threadsafe(events.put_nowait, event)
+                mailbox.post(events.put_nowait, event)
 
         for seq in prepared.choices:
             seq.on_token = on_token
@@ -634,6 +644,33 @@ class Gateway:
                     log.exception("the gateway's poll for new checkpoints failed")
         finally:
             connections.close_all()
+
+
+class _Mailbox:
+    """Work that other threads (the engine's reader or batcher, the recorder) hand to the
+    event loop: what is posted while a run is pending joins it, so a decode step that ends
+    16 calls, or streams 64 tokens, wakes the loop once, not once each."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._items: list[tuple[Any, tuple]] = []
+        self._lock = threading.Lock()
+
+    def post(self, fn, *args) -> None:
+        with self._lock:
+            self._items.append((fn, args))
+            if len(self._items) > 1:  # a run is pending: it takes this too
+                return
+        self.loop.call_soon_threadsafe(self._run)
+
+    def _run(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for fn, args in items:
+            try:
+                fn(*args)
+            except Exception:  # one caller's failure is not the others'
+                log.exception("the gateway's event loop failed to run %s", fn)
 
 
 class _Prepared:
