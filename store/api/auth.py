@@ -129,11 +129,12 @@ def cached_key_lean(raw: str) -> LeanKey | None:
     return LeanKey(pk, project, role, name, (pk, role))
 
 
-def authenticate_key_lean(raw: str) -> LeanKey | None:
+def authenticate_key_lean(raw: str, cached: bool = True) -> LeanKey | None:
     """The key for a lean path: from this process's cache (`cached_key_lean`), or
     authenticated in full (`authenticate_key`: read and compared, last_used_at kept) on a
-    miss and once a minute per key; None when it is not a live key."""
-    hit = cached_key_lean(raw)
+    miss, once a minute per key, and always with `cached` False (the cache then updated);
+    None when it is not a live key."""
+    hit = cached_key_lean(raw) if cached else None
     if hit is not None:
         return hit
     digest = hashlib.sha256(raw.encode()).digest()

@@ -251,6 +251,8 @@ class Gateway:
     # --- the steps of a call (in worker threads: they touch the database) --------------------
     def _authorize(self, request: Request, rollout_id: str | None = None,
                    attempt_id: str | None = None) -> Project:
+        """The caller's project, the key read and compared in the database (and kept in the
+        lean cache for the calls that follow, `_complete`)."""
         close_old_connections()
         raw = _bearer(request)
         if not raw:
@@ -262,7 +264,7 @@ class Gateway:
                 project = Project.objects.filter(pk=project_id).first()
                 if project is not None:
                     return project
-        key = authenticate_key_lean(raw)  # and kept in the lean cache (`_complete`)
+        key = authenticate_key_lean(raw, cached=False)
         if key is None:
             raise BadRequest("invalid or revoked API key", status=401, code="invalid_api_key",
                              kind="authentication_error")
