@@ -393,6 +393,13 @@ LLM_GATEWAY_POLL_SECONDS = env_float("LLM_GATEWAY_POLL_SECONDS", 1.0, minimum=0.
 # than they bring (seen here: 20 ms per token alone with 2 threads, 3 ms with 1). Raise it
 # for large models served on a CPU; on CUDA it does not matter.
 LLM_GATEWAY_TORCH_THREADS = env_int("LLM_GATEWAY_TORCH_THREADS", 1, minimum=0)
+# `llm_serve` and its engine process: Python's switch interval (sys.setswitchinterval), the
+# longest a thread that wants the GIL waits for a busy one to hand it over. Python's default
+# (5 ms) is paid at each of a call's handoffs between threads (the event loop, the database
+# threads, the recorder; the engine process's pipe reader and decode loop); 0: the default.
+# 0.5 ms: the gateway's p50 Server-Timing at 16 sessions 12.6-24.1 ms against 33.4-33.5 with
+# the default in interleaved runs here (README "Benchmarks").
+LLM_GATEWAY_SWITCH_INTERVAL_MS = env_float("LLM_GATEWAY_SWITCH_INTERVAL_MS", 0.5, minimum=0.0)
 # `llm_serve`: the models, decode loop and batcher in a process of their own (spawned and
 # supervised by the gateway, trainer/llm/engine_client.py), away from the GIL of the process
 # doing HTTP, authentication and recording. Off: all in one process (as the embedded default).

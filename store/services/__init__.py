@@ -1,7 +1,7 @@
 """Every write to the store. Keyword-only, typed, one short transaction each."""
 
 from store.services._ledger import Usage
-from store.services._rows import KeyNotLive, require_key_live
+from store.services._rows import KEY_LIVE_SQL, KeyNotLive, LiveKey, require_key_live
 from store.services.attempts import (
     AttemptUpdate,
     attempt_finish,
@@ -56,7 +56,9 @@ from store.services.workers import worker_update
 __all__ = [
     "AttemptUpdate",
     "Dispatch",
+    "KEY_LIVE_SQL",
     "KeyNotLive",
+    "LiveKey",
     "RolloutSpec",
     "Usage",
     "api_key_authenticate",
