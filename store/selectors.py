@@ -379,18 +379,21 @@ def rollouts_first_error(*, rollout_ids: Sequence[str]) -> str | None:
     return f"rollout {failed.pk}: {error or 'failed'}"
 
 
-def claims_held_by(*, project: Project, worker_id: str, since: datetime,
+def claims_held_by(*, project: Project | None, worker_id: str, since: datetime,
                    rollout_id: str | None = None, limit: int = 1
                    ) -> list[tuple[Rollout, Attempt]]:
     """Rollouts whose latest attempt this worker claimed at or after `since` and has not
     started (preparing): what a claim whose commit landed but whose answer was lost left
     behind, for its retry to adopt (else the attempt would be held by nobody until the
     watchdog's limit). `since`, the first try's time, keeps out attempts the worker already
-    holds and runs (a runner with several slots claims under one worker id)."""
-    rollouts = (Rollout.objects.filter(project=project, latest_attempt__worker_id=worker_id,
+    holds and runs (a runner with several slots claims under one worker id). `project` None:
+    any project's (a Celery ticket's claim)."""
+    rollouts = (Rollout.objects.filter(latest_attempt__worker_id=worker_id,
                                        latest_attempt__status=AttemptStatus.PREPARING,
                                        latest_attempt__start_time__gte=since)
                 .select_related("latest_attempt").order_by("latest_attempt__start_time"))
+    if project is not None:
+        rollouts = rollouts.filter(project=project)
     if rollout_id is not None:
         rollouts = rollouts.filter(pk=rollout_id)
     return [(r, r.latest_attempt) for r in rollouts[:limit]]
