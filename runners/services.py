@@ -233,11 +233,12 @@ def celery_worker_resend_received(*, name: str) -> int:
 
 
 def rollouts_enqueue_for_celery(
-    *, project: Project, specs: Sequence[RolloutSpec], agent: str
+    *, project: Project, specs: Sequence[RolloutSpec], agent: str, party: str = ""
 ) -> list[Rollout]:
-    """Queue rollouts to be run by `agent` (a dotted path) on the Celery `rollouts` queue.
-    Their messages are sent after the transaction commits; a lost one is sent again by the
-    reconciliation sweep (`rollouts_redispatch`)."""
+    """Queue rollouts to be run by `agent` (a dotted path) on the Celery `rollouts` queue,
+    in the fair share's party `party` of the project (README "Scheduling"). Their messages
+    are sent after the transaction commits; a lost one is sent again by the reconciliation
+    sweep (`rollouts_redispatch`)."""
     if not agent or len(agent) > 300 or not (":" in agent or "." in agent):
         raise InvalidInput("agent", "must be a dotted path like 'package.module:name'")
     try:
@@ -246,7 +247,8 @@ def rollouts_enqueue_for_celery(
         raise InvalidInput("agent", str(exc)) from None
     specs = [_with_default_unresponsive(spec) for spec in specs]
     with transaction.atomic():
-        rollouts = store_services.rollout_enqueue_many(project=project, specs=specs)
+        rollouts = store_services.rollout_enqueue_many(project=project, specs=specs,
+                                                       party=party)
         marked = store_services.rollout_dispatch_set(
             project=project, rollout_ids=[r.pk for r in rollouts], dispatch=CELERY, target=agent
         )

@@ -515,11 +515,12 @@ group_completed_now_sql = _group_completed_now_sql
 
 # --- The lock order -------------------------------------------------------------------------------
 
-# Every writer locks rows in this order of tables (within a table, in id order): attempts, then
-# rollouts, then workers, then groups, then parties (the claim's usage). The verdict (both
+# Every writer locks rows in this order of tables (within a table, in id order): projects (the
+# claim of a capped project's rollouts, first), attempts, then rollouts, then workers, then
+# groups, then parties (the claim's usage). The verdict (both
 # paths), the watchdog, the span ingest, attempt_start and the claim keep it; a writer that takes two in the other order deadlocks
 # against them (attempt_start reopening a group member did: 17 deadlocks in 30 rounds).
-LOCK_ORDER = ("attempt", "rollout", "worker", "group", "party")
+LOCK_ORDER = ("project", "attempt", "rollout", "worker", "group", "party")
 
 
 def locks_in_order(*tables: str) -> None:

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import functools
 import re
+import time
 from collections import defaultdict
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import datetime
 
-from django.db import connection
+from django.db import connection, transaction
 from django.db.models import Count, Q
 
 from store import rules
@@ -68,18 +70,63 @@ def claim_queued(
     before the claim does."""
     scope = as_scope(project)
     if connection.vendor == "postgresql":
-        claimed = _claim_sql(scope, worker_id, limit, now, rollout_id, idle_if_none,
-                             live_key)
+        capped = _capped_to_lock(scope)
+        with transaction.atomic() if capped and not connection.in_atomic_block else nullcontext():
+            if capped:
+                _lock_projects(capped)
+                limit = _room(scope, limit)
+            claimed = _claim_sql(scope, worker_id, limit, now, rollout_id, idle_if_none,
+                                 live_key)
         if not claimed:
             require_key_live(live_key)
     else:
         require_key_live(live_key)
-        claimed = _claim_orm(scope, worker_id, limit, now, rollout_id)
+        claimed = _claim_orm(scope, worker_id, _room(scope, limit), now, rollout_id)
     claimed.sort(key=lambda pair: (-pair[0].priority, pair[0].enqueue_time))
     if connection.vendor != "postgresql" and worker_id and (claimed or idle_if_none):
         project_id = claimed[0][0].project_id if claimed else scope.project.pk
         worker_mark_dequeued(project_id, worker_id, [a for _, a in claimed], now)
     return claimed
+
+
+# How long a process trusts its last look at whether any project has a cap (a cap set since
+# is exact within this many seconds; until then only claims that do not overlap respect it).
+CAPS_RECHECK_SECONDS = 5.0
+_caps_seen: tuple[float, list[int]] = (-CAPS_RECHECK_SECONDS, [])
+
+
+def _capped_to_lock(scope: Scope) -> list[int]:
+    """The capped projects a claim in this scope must lock first. The claim statement counts
+    a project's live rollouts in its own snapshot, so two claims at once could both see room
+    for one: claims that may take a capped project's rollout take turns on its row, and the
+    claim's snapshot (the next statement's) then sees the turns before it."""
+    global _caps_seen
+    if scope.project is not None:
+        return [scope.project.pk] if scope.project.max_concurrent_rollouts is not None else []
+    seen_at, ids = _caps_seen
+    if time.monotonic() - seen_at >= CAPS_RECHECK_SECONDS:
+        ids = list(Project.objects.filter(max_concurrent_rollouts__isnull=False)
+                   .order_by("pk").values_list("pk", flat=True))
+        _caps_seen = (time.monotonic(), ids)
+    return ids
+
+
+def _room(scope: Scope, limit: int) -> int:
+    """A batch dequeue of a capped project takes at most what its cap leaves (the statement
+    only asks whether the project may have one more; a ticket claims one)."""
+    if scope.project is None or scope.project.max_concurrent_rollouts is None or limit == 1:
+        return limit
+    cap = Project.objects.filter(pk=scope.project.pk).values_list(
+        "max_concurrent_rollouts", flat=True).first()
+    if cap is None:
+        return limit
+    return max(1, min(limit, cap - _live_counts([scope.project.pk]).get(scope.project.pk, 0)))
+
+
+def _lock_projects(ids: list[int]) -> None:
+    # Served by the primary key; in id order (rules.LOCK_ORDER: projects first).
+    list(Project.objects.filter(pk__in=ids).order_by("pk").select_for_update()
+         .values_list("pk", flat=True))
 
 
 def as_scope(project: Project | Scope) -> Scope:
@@ -315,7 +362,7 @@ _CHARGE_SQL = f"""
         FROM (SELECT party_id, count(*) n FROM picked GROUP BY party_id) n
         WHERE pa.id = n.party_id
     )"""
-rules.locks_in_order("rollout", "worker", "party")
+rules.locks_in_order("project", "rollout", "worker", "party")
 
 
 @functools.cache
