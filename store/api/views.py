@@ -17,7 +17,7 @@ from rest_framework.response import Response
 from store import selectors, services
 from store.api import limits
 from store.api import serializers as s
-from store.api.auth import ALGORITHM_ROLES, PROJECT_ROLES, SITE_ADMIN_ONLY
+from store.api.auth import ADMIN_ONLY, ALGORITHM_ROLES, PROJECT_ROLES, SITE_ADMIN_ONLY
 from store.api.base import StoreView, respond
 from store.api.errors import PayloadTooLarge
 from store.errors import NotFound
@@ -477,6 +477,28 @@ class NextSpanSequenceIdView(StoreView):
 
 
 # --- projects (extension) --------------------------------------------------------------------
+
+
+class ShareView(StoreView):
+    """Extension (README "Scheduling"): the key's project's fair share, and why its rollouts
+    wait (GET, any role); its weight, cap and a party's weight (POST, its admin)."""
+
+    post_roles = ADMIN_ONLY
+
+    @extend_schema(responses={200: dict}, operation_id="get_share")
+    def get(self, request: Request) -> Response:
+        return Response(selectors.share_state(project=self.project).as_json())
+
+    @extend_schema(request=s.ShareIn, responses={200: dict}, operation_id="set_share")
+    def post(self, request: Request) -> Response:
+        serializer = s.ShareIn(data=request.data)  # a body is required (`null` is refused)
+        serializer.is_valid(raise_exception=True)
+        data = serializer.validated_data
+        services.share_set(
+            project=self.project, weight=data.get("weight"), party=data.get("party"),
+            party_weight=data.get("party_weight"),
+            max_concurrent_rollouts=data.get("max_concurrent_rollouts", services.UNCHANGED))
+        return Response(selectors.share_state(project=self.project).as_json())
 
 
 class CreateProjectView(StoreView):

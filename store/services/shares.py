@@ -14,7 +14,7 @@ from store.models import Party, Project
 
 # A cap "unset" is None: this marks an argument not given.
 UNCHANGED = object()
-MAX_WEIGHT = 1e6
+MIN_WEIGHT, MAX_WEIGHT = 1e-6, 1e6
 
 
 @dataclass(frozen=True)
@@ -30,8 +30,8 @@ class Share:
 
 def _weight(value: object, field: str) -> float:
     if (not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value)
-            or not 0 < value <= MAX_WEIGHT):
-        raise InvalidInput(field, f"must be a number in (0, {MAX_WEIGHT:g}]")
+            or not MIN_WEIGHT <= value <= MAX_WEIGHT):
+        raise InvalidInput(field, f"must be a number in [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}]")
     return float(value)
 
 
@@ -39,8 +39,9 @@ def share_set(*, project: Project, weight: float | None = None, party: str | Non
               party_weight: float | None = None,
               max_concurrent_rollouts: object = UNCHANGED) -> Share:
     """Set what is given: the project's `weight`, its `max_concurrent_rollouts` (None: no
-    cap), the weight of its party `party` (created if new: a job's party may be weighted
-    before its first rollout). Compare-and-swap free: each is one column written whole."""
+    cap), the weight `party_weight` of its party `party` ("", the default: its rollouts
+    enqueued without a job; created if new: a job's party may be weighted before its first
+    rollout). Compare-and-swap free: each is one column written whole."""
     fields = {}
     if weight is not None:
         fields["share_weight"] = _weight(weight, "weight")
@@ -51,7 +52,7 @@ def share_set(*, project: Project, weight: float | None = None, party: str | Non
             raise InvalidInput("max_concurrent_rollouts", "must be an integer >= 0, or null")
         fields["max_concurrent_rollouts"] = cap
     if party_weight is not None and party is None:
-        raise InvalidInput("party", "is required with party_weight")
+        party = ""  # the project's own party: its rollouts enqueued without a job
     if party is not None and len(party) > Party._meta.get_field("key").max_length:
         raise InvalidInput("party", "must be at most 200 characters")
     party_weight = None if party_weight is None else _weight(party_weight, "party_weight")
