@@ -200,7 +200,8 @@ def usage_half_life() -> float:
     seconds = settings.SCHEDULER_USAGE_HALF_LIFE_SECONDS
     if not isinstance(seconds, int | float) or not 0 < seconds <= MAX_LIMIT_SECONDS:
         raise ImproperlyConfigured(
-            f"SCHEDULER_USAGE_HALF_LIFE_SECONDS={seconds!r} must be in (0, {MAX_LIMIT_SECONDS:.0f}]")
+            f"SCHEDULER_USAGE_HALF_LIFE_SECONDS={seconds!r} must be in "
+            f"(0, {MAX_LIMIT_SECONDS:.0f}]")
     return float(seconds)
 
 
@@ -517,9 +518,10 @@ group_completed_now_sql = _group_completed_now_sql
 
 # Every writer locks rows in this order of tables (within a table, in id order): projects (the
 # claim of a capped project's rollouts, first), attempts, then rollouts, then workers, then
-# groups, then parties (the claim's usage). The verdict (both
-# paths), the watchdog, the span ingest, attempt_start and the claim keep it; a writer that takes two in the other order deadlocks
-# against them (attempt_start reopening a group member did: 17 deadlocks in 30 rounds).
+# groups, then parties (the claim's usage). The verdict (both paths), the watchdog, the span
+# ingest, attempt_start and the claim keep it; a writer that takes two in the other order
+# deadlocks against them (attempt_start reopening a group member did: 17 deadlocks in 30
+# rounds).
 LOCK_ORDER = ("project", "attempt", "rollout", "worker", "group", "party")
 
 

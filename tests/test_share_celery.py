@@ -4,7 +4,10 @@ priority jumping the queue, a project's cap on concurrent rollouts holding and r
 
 from __future__ import annotations
 
+import io
+
 import pytest
+from django.core.management import CommandError, call_command
 
 from runners import services as runner_services
 from store import services
@@ -104,3 +107,22 @@ def test_a_capped_project_is_skipped_by_the_dequeue_until_one_ends(project):
     services.attempt_finish(project=project, rollout_id=rollout.pk,
                             attempt_id=attempt.attempt_id, status="succeeded")
     assert len(services.rollout_dequeue_many(project=project, limit=4)) == 1
+
+
+def test_share_set_sets_weights_and_the_cap_and_refuses_bad_input(project):
+    out = io.StringIO()
+    call_command("share_set", project=project.name, weight=2.0, cap="3", stdout=out)
+    call_command("share_set", project=project.name, party="trainer/job/4", weight=0.5,
+                 stdout=out)
+    assert "weight 2, max concurrent rollouts 3" in out.getvalue()
+    assert "party 'trainer/job/4': weight 0.5" in out.getvalue()
+    project.refresh_from_db()
+    assert (project.share_weight, project.max_concurrent_rollouts) == (2.0, 3)
+    call_command("share_set", project=project.name, cap="none", stdout=out)
+    project.refresh_from_db()
+    assert project.max_concurrent_rollouts is None
+    for bad in ({"weight": -1.0}, {"cap": "many"}, {"cap": "-2"}):
+        with pytest.raises(CommandError):
+            call_command("share_set", project=project.name, stdout=out, **bad)
+    with pytest.raises(CommandError, match="no project"):
+        call_command("share_set", project="nope", weight=1.0)

@@ -25,15 +25,15 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from django.db import connection, transaction
-from django.db.models import Count, Q
+from django.db.models import Count
 
 from store import rules
 from store.models import Attempt, Party, Project, Rollout
-from store.statuses import QUEUED, ROLLOUT_ACTIVE
 from store.services._bulk import bulk_set
 from store.services._common import attempt_deadline, worker_mark_dequeued
 from store.services._rows import KEY_LIVE_SQL_NAMED, LiveKey, require_key_live, row_instance
 from store.statemachine import AttemptStatus, RolloutConfig, RolloutStatus
+from store.statuses import QUEUED, ROLLOUT_ACTIVE
 
 # How long a named claim waits for its rollout's row lock (see _claim_sql).
 NAMED_CLAIM_LOCK_WAIT_MS = 5000

@@ -39,7 +39,8 @@ class Command(BaseCommand):
                 max_concurrent_rollouts=services.UNCHANGED if cap is None else _cap(cap))
         except StoreError as exc:
             raise CommandError(str(exc)) from None
-        cap_text = "none" if share.max_concurrent_rollouts is None else share.max_concurrent_rollouts
+        cap_text = share.max_concurrent_rollouts
+        cap_text = "none" if cap_text is None else cap_text
         self.stdout.write(f"project {row.name}: weight {share.project_weight:g}, "
                           f"max concurrent rollouts {cap_text}")
         if share.party is not None:

@@ -7,8 +7,8 @@ from django.core.management.base import BaseCommand, CommandError
 from core.console import progress_stream
 from store import selectors as store_selectors
 from trainer import progress, selectors
-from trainer.pool import job_party
 from trainer.management.commands.train import job_or_error
+from trainer.pool import job_party
 
 
 class Command(BaseCommand):
