@@ -2,7 +2,7 @@
 nothing. Not a test.
 
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/lightning_share_bench \\
-        .venv/bin/python bench/share_bench.py [--seconds 20] [--rollout 0.1]
+        .venv/bin/python bench/share_bench.py [--seconds 30] [--rollout 0.3]
 
 Uses (and empties) its own database, whose name must contain "bench"; one real
 `celery worker -Q rollouts -c 2` (prefork) on a private RabbitMQ vhost.
@@ -150,10 +150,10 @@ def claim_rates(rounds: int, per_round: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--seconds", type=float, default=20.0, help="fair-share window")
-    parser.add_argument("--rollout", type=float, default=0.1, help="seconds per rollout")
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--per-round", type=int, default=200)
+    parser.add_argument("--seconds", type=float, default=30.0, help="fair-share window")
+    parser.add_argument("--rollout", type=float, default=0.3, help="seconds per rollout")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--per-round", type=int, default=150)
     args = parser.parse_args()
     reset()
     with broker("rabbitmq") as (url, env), worker(url, env):
