@@ -8,6 +8,8 @@ import io
 
 import pytest
 from django.core.management import CommandError, call_command
+from django.db import connection
+from django.db.migrations.executor import MigrationExecutor
 
 from runners import services as runner_services
 from store import services
@@ -126,3 +128,22 @@ def test_share_set_sets_weights_and_the_cap_and_refuses_bad_input(project):
             call_command("share_set", project=project.name, stdout=out, **bad)
     with pytest.raises(CommandError, match="no project"):
         call_command("share_set", project="nope", weight=1.0)
+
+
+@pytest.mark.postgres
+def test_the_migration_puts_queued_rollouts_into_their_projects_party(project):
+    """Rollouts queued before fair share (no party) join the project's party "": the claim
+    reaches them. Others are left as they were."""
+    taken, waiting = services.rollout_enqueue_many(project=project, specs=[
+        RolloutSpec(input=0, priority=1), RolloutSpec(input=1)])
+    services.rollout_claim(project=project, rollout_id=taken.pk)
+    executor = MigrationExecutor(connection)
+    try:
+        executor.migrate([("store", "0010_usage_ledger")])
+    finally:
+        executor = MigrationExecutor(connection)
+        executor.loader.build_graph()
+        executor.migrate(executor.loader.graph.leaf_nodes())
+    parties = dict(Rollout.objects.filter(project=project).values_list("pk", "party__key"))
+    assert parties == {taken.pk: None, waiting.pk: ""}
+    assert services.rollout_dequeue(project=project)[0].pk == waiting.pk
