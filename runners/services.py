@@ -91,7 +91,7 @@ def rollout_run(*, project_id: int, rollout_id: str, worker_id: str) -> str:
         return _run_claimed(gateway, claim, worker_id, meter)
     finally:
         if gateway.project.max_concurrent_rollouts is not None:
-            _send_one_owed()  # a slot of a capped project freed: its next rollout's ticket
+            _send_one_owed(gateway.project.pk)  # a capped project's slot freed: a ticket
 
 
 def _claim_for_ticket(project_id: int, rollout_id: str, worker_id: str,
@@ -135,9 +135,10 @@ def _run_claimed(gateway: LocalGateway, claim: Claim, worker_id: str, meter: Usa
     return outcome.status
 
 
-def _send_one_owed() -> None:
+def _send_one_owed(project_id: int) -> None:
     try:
-        rollouts_redispatch(resend_after_seconds=settings.RUNNERS_REDISPATCH_SECONDS, limit=1)
+        rollouts_redispatch(resend_after_seconds=settings.RUNNERS_REDISPATCH_SECONDS, limit=1,
+                            project_id=project_id)
     except Exception:  # the database or broker is down: the reconcile sends it
         log.exception("could not send an owed rollout message")
 
@@ -256,12 +257,13 @@ def rollouts_enqueue_for_celery(
     return rollouts
 
 
-def rollouts_redispatch(*, resend_after_seconds: float, limit: int = 500) -> int:
-    """Send again the messages of queued rollouts that may have lost theirs (see
-    `store.services.rollout_dispatch_due`). Returns how many were sent."""
+def rollouts_redispatch(*, resend_after_seconds: float, limit: int = 500,
+                        project_id: int | None = None) -> int:
+    """Send again the messages of queued rollouts (of one project, with `project_id`) that may
+    have lost theirs (see `store.services.rollout_dispatch_due`). Returns how many were sent."""
     with transaction.atomic():
         due = store_services.rollout_dispatch_due(
-            resend_after_seconds=resend_after_seconds, limit=limit
+            resend_after_seconds=resend_after_seconds, limit=limit, project_id=project_id
         )
         transaction.on_commit(lambda: dispatches_send(due), robust=True)
     return len(due)
