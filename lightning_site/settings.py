@@ -173,6 +173,11 @@ STORE_FIRST_REPORT_SECONDS = env_float("STORE_FIRST_REPORT_SECONDS", 300.0, mini
 # A claim that never reported whose worker gave no sign of life (dequeue, heartbeat, report)
 # for this many seconds is unresponsive at once: its runner died right after the claim. 0: off.
 STORE_SILENT_WORKER_SECONDS = env_float("STORE_SILENT_WORKER_SECONDS", 20.0, minimum=0.0)
+# The fair share's memory (README "Scheduling"): a party's usage (its claims) halves every this
+# many seconds, so a job that ran alone for an hour is not starved for an hour when another
+# arrives, but a burst does not buy its party a fresh start either.
+SCHEDULER_USAGE_HALF_LIFE_SECONDS = env_float("SCHEDULER_USAGE_HALF_LIFE_SECONDS", 600.0,
+                                              minimum=0.001)
 # The price list of the cost ledger (README "Cost"), applied when a ledger row is written:
 # per CPU-second, per GPU-second by device type (the first name contained in the device's
 # name, else "*"), per 1000 tokens the model gateway generated. Units are the operator's.

@@ -27,9 +27,39 @@ class Project(models.Model):
     gpu_seconds_per_day = models.FloatField(
         null=True, blank=True, validators=[MinValueValidator(0)],
         help_text="GPU-seconds per rolling 24 h; empty: no cap")
+    # Its share of the workers against other projects (README "Scheduling"): a claim serves the
+    # project with the least decayed usage per unit of weight first.
+    share_weight = models.FloatField(default=1.0)
+    # At most this many of its rollouts claimed and not finished (preparing or running) at
+    # once; past it the claim skips the project and its rollouts wait. None: no cap.
+    max_concurrent_rollouts = models.PositiveIntegerField(null=True, blank=True)
 
     def __str__(self) -> str:
         return self.name
+
+
+class Party(models.Model):
+    """A party of the fair share inside a project: the rollouts enqueued under one key (the
+    trainer's "trainer/job/<pk>"; "" for those enqueued without one). Holds the party's
+    weight within its project and its usage: claims, decayed with the half-life
+    SCHEDULER_USAGE_HALF_LIFE_SECONDS from `usage_at` (store.rules.DECAYED). The claim
+    statement updates the usage of the parties it claimed from (README "Scheduling")."""
+
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="parties",
+                                db_index=False)
+    key = models.CharField(max_length=200, blank=True)
+    weight = models.FloatField(default=1.0)
+    usage = models.FloatField(default=0.0)
+    usage_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        verbose_name_plural = "parties"
+        constraints = [
+            models.UniqueConstraint(fields=["project", "key"], name="party_uniq")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.project_id}/{self.key or '(project)'}"
 
 
 class ApiKey(models.Model):
@@ -146,6 +176,9 @@ class Rollout(models.Model):
         "RolloutGroup", null=True, blank=True, on_delete=models.SET_NULL,
         related_name="rollouts", db_index=False,
     )
+    # Its party of the fair share (set at enqueue; the claim picks among parties).
+    party = models.ForeignKey(Party, null=True, blank=True, on_delete=models.SET_NULL,
+                              related_name="rollouts", db_index=False)
 
     class Meta:
         indexes = [
@@ -161,6 +194,14 @@ class Rollout(models.Model):
                 models.F("priority").desc(),
                 "enqueue_time",
                 name="rollout_claim_order",
+                condition=Q(status__in=QUEUED),
+            ),
+            # the fair claim: a party's queued rollouts, highest priority then oldest first
+            models.Index(
+                "party",
+                models.F("priority").desc(),
+                "enqueue_time",
+                name="rollout_party_claim_order",
                 condition=Q(status__in=QUEUED),
             ),
             # watchdog: queued rollouts whose waiting time is bounded

@@ -20,6 +20,7 @@ from store import rules, waits, wakeups
 from store.errors import BadQuery, InvalidInput, NotFound
 from store.models import (
     Attempt,
+    Party,
     Project,
     ResourceSet,
     ResourceVersion,
@@ -37,6 +38,7 @@ from store.services._rows import (
 )
 from store.services._rows import _loads as json_loads
 from store.statemachine import ROLLOUT_TERMINAL, AttemptStatus, RolloutStatus
+from store.statuses import QUEUED, ROLLOUT_ACTIVE
 
 T = TypeVar("T")
 
@@ -380,18 +382,21 @@ def rollouts_first_error(*, rollout_ids: Sequence[str]) -> str | None:
     return f"rollout {failed.pk}: {error or 'failed'}"
 
 
-def claims_held_by(*, project: Project, worker_id: str, since: datetime,
+def claims_held_by(*, project: Project | None, worker_id: str, since: datetime,
                    rollout_id: str | None = None, limit: int = 1
                    ) -> list[tuple[Rollout, Attempt]]:
     """Rollouts whose latest attempt this worker claimed at or after `since` and has not
     started (preparing): what a claim whose commit landed but whose answer was lost left
     behind, for its retry to adopt (else the attempt would be held by nobody until the
     watchdog's limit). `since`, the first try's time, keeps out attempts the worker already
-    holds and runs (a runner with several slots claims under one worker id)."""
-    rollouts = (Rollout.objects.filter(project=project, latest_attempt__worker_id=worker_id,
+    holds and runs (a runner with several slots claims under one worker id). `project` None:
+    any project's (a Celery ticket's claim)."""
+    rollouts = (Rollout.objects.filter(latest_attempt__worker_id=worker_id,
                                        latest_attempt__status=AttemptStatus.PREPARING,
                                        latest_attempt__start_time__gte=since)
                 .select_related("latest_attempt").order_by("latest_attempt__start_time"))
+    if project is not None:
+        rollouts = rollouts.filter(project=project)
     if rollout_id is not None:
         rollouts = rollouts.filter(pk=rollout_id)
     return [(r, r.latest_attempt) for r in rollouts[:limit]]
@@ -543,3 +548,67 @@ def gpu_quota_reason(*, project_id: int, now: datetime | None = None) -> str | N
     """Why the project's training steps wait (its GPU quota reached), or None."""
     quota = gpu_quotas(project_ids=[project_id], now=now, reached_only=True).get(project_id)
     return quota.describe() if quota is not None else None
+
+
+# --- The fair share (README "Scheduling") ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PartyShare:
+    key: str
+    weight: float
+    usage: float  # decayed to now (rules.DECAYED)
+    queued: int
+    live: int
+
+
+@dataclass(frozen=True)
+class ShareState:
+    """A project's fair share as the claim sees it now, and why its rollouts wait."""
+
+    weight: float
+    max_concurrent_rollouts: int | None
+    live: int
+    queued: int
+    parties: list[PartyShare]
+
+    @property
+    def waiting_reason(self) -> str | None:
+        """Set while the project is at its cap and rollouts wait for it."""
+        if self.queued and not rules.UNDER_CAP.python(self.live, self.max_concurrent_rollouts):
+            return (f"cap: {self.live} of {self.max_concurrent_rollouts} concurrent rollouts "
+                    f"claimed; {self.queued} queued wait for one to end")
+        return None
+
+    def describe(self) -> str:
+        cap = "none" if self.max_concurrent_rollouts is None else self.max_concurrent_rollouts
+        line = (f"share: weight {self.weight:g}, max concurrent rollouts {cap}, "
+                f"{self.live} claimed, {self.queued} queued")
+        return line + (f" (waiting: {self.waiting_reason})" if self.waiting_reason else "")
+
+    def as_json(self) -> dict[str, Any]:
+        return {"weight": self.weight, "max_concurrent_rollouts": self.max_concurrent_rollouts,
+                "live": self.live, "queued": self.queued,
+                "waiting_reason": self.waiting_reason,
+                "parties": [{"key": p.key, "weight": p.weight, "usage": round(p.usage, 6),
+                             "queued": p.queued, "live": p.live} for p in self.parties]}
+
+
+def share_state(*, project: Project, now: datetime | None = None) -> ShareState:
+    """Served by rollout_project_status (counts by party of the project's open rollouts)."""
+    now = now or timezone.now()
+    project.refresh_from_db(fields=["share_weight", "max_concurrent_rollouts"])
+    counts = (Rollout.objects.filter(project=project, status__in=(*QUEUED, *ROLLOUT_ACTIVE))
+              .values("party_id", "status").annotate(n=Count("pk")))
+    queued: dict[int | None, int] = {}
+    live: dict[int | None, int] = {}
+    for row in counts:
+        into = queued if row["status"] in QUEUED else live
+        into[row["party_id"]] = into.get(row["party_id"], 0) + row["n"]
+    half_life = rules.usage_half_life()
+    parties = [PartyShare(p.key, p.weight,
+                          rules.DECAYED.python(p.usage, p.usage_at, now, half_life),
+                          queued.get(p.pk, 0), live.get(p.pk, 0))
+               for p in Party.objects.filter(project=project).order_by("key")]
+    return ShareState(project.share_weight, project.max_concurrent_rollouts,
+                      sum(live.values()), sum(queued.values()), parties)

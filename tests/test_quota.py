@@ -186,8 +186,9 @@ def test_quota_set_sets_shows_and_removes_a_cap_and_refuses_bad_input():
 def test_the_admin_sets_the_cap_and_refuses_a_negative_one(staff):
     project = store_services.project_create(name="admin-cap")
     url = f"/admin/store/project/{project.pk}/change/"
-    form = {"name": "admin-cap", "description": "", "api_keys-TOTAL_FORMS": "0",
-            "api_keys-INITIAL_FORMS": "0"}
+    form = {"name": "admin-cap", "description": "", "share_weight": "1",
+            "api_keys-TOTAL_FORMS": "0", "api_keys-INITIAL_FORMS": "0",
+            "parties-TOTAL_FORMS": "0", "parties-INITIAL_FORMS": "0"}
     answer = staff.post(url, {**form, "gpu_seconds_per_day": "-1"})
     assert answer.status_code == 200 and "greater than or equal to 0" in answer.text
     staff.post(url, {**form, "gpu_seconds_per_day": "7200"})

@@ -16,6 +16,7 @@ from rest_framework import exceptions, serializers
 from store import selectors
 from store.api import limits
 from store.models import Attempt, ResourceVersion, Rollout, Span, Worker
+from store.services.shares import MAX_WEIGHT, MIN_WEIGHT
 from store.statemachine import (
     ATTEMPT_FINAL,
     MAX_LIMIT_SECONDS,
@@ -470,6 +471,20 @@ class QuotaIn(serializers.Serializer):
     gpu_seconds_per_day = FiniteFloatField(
         required=False, allow_null=True, min_value=0,
         help_text="cap on the project's ledger GPU-seconds over the last 24 h; null: no cap")
+
+
+class ShareIn(serializers.Serializer):
+    """Extension (README "Scheduling"): what to set; an omitted field is left as it is."""
+
+    weight = serializers.FloatField(required=False, min_value=MIN_WEIGHT, max_value=MAX_WEIGHT,
+                                    help_text="the project's weight")
+    max_concurrent_rollouts = serializers.IntegerField(
+        required=False, allow_null=True, min_value=0, max_value=2**31 - 1,
+        help_text="cap on claimed, unfinished rollouts; null lifts it")
+    party = StrictCharField(required=False, allow_blank=True, max_length=200,
+                            help_text="a party of the project (a job's: trainer/job/<id>)")
+    party_weight = serializers.FloatField(required=False, min_value=MIN_WEIGHT,
+                                          max_value=MAX_WEIGHT, help_text="the party's weight")
 
 
 # --- outputs ---------------------------------------------------------------------------------

@@ -503,6 +503,28 @@ class QuotaView(StoreView):
             "reason": quota.describe() if quota and quota.reached else None})
 
 
+class ShareView(StoreView):
+    """Extension (README "Scheduling"): the key's project's fair share, and why its rollouts
+    wait (GET, any role); its weight, cap and a party's weight (POST, its admin)."""
+
+    post_roles = ADMIN_ONLY
+
+    @extend_schema(responses={200: dict}, operation_id="get_share")
+    def get(self, request: Request) -> Response:
+        return Response(selectors.share_state(project=self.project).as_json())
+
+    @extend_schema(request=s.ShareIn, responses={200: dict}, operation_id="set_share")
+    def post(self, request: Request) -> Response:
+        serializer = s.ShareIn(data=request.data)  # a body is required (`null` is refused)
+        serializer.is_valid(raise_exception=True)
+        data = serializer.validated_data
+        services.share_set(
+            project=self.project, weight=data.get("weight"), party=data.get("party"),
+            party_weight=data.get("party_weight"),
+            max_concurrent_rollouts=data.get("max_concurrent_rollouts", services.UNCHANGED))
+        return Response(selectors.share_state(project=self.project).as_json())
+
+
 class CreateProjectView(StoreView):
     """Extension: a site_admin key creates a project; the answer holds one new key per role
     (runner, algorithm, admin), shown this once."""

@@ -33,6 +33,7 @@ from store.services.rollouts import (
     RolloutSpec,
     attempt_start,
     rollout_claim,
+    rollout_claim_next,
     rollout_dequeue,
     rollout_dequeue_many,
     rollout_enqueue,
@@ -40,6 +41,7 @@ from store.services.rollouts import (
     rollout_start,
     rollout_update,
 )
+from store.services.shares import UNCHANGED, Share, share_set
 from store.services.spans import (
     SpansExported,
     SpansIngested,
@@ -78,6 +80,10 @@ __all__ = [
     "resources_set_keep",
     "resources_update",
     "rollout_claim",
+    "rollout_claim_next",
+    "Share",
+    "share_set",
+    "UNCHANGED",
     "rollout_dequeue",
     "rollout_dispatch_due",
     "rollout_dispatch_set",

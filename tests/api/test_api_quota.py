@@ -1,4 +1,4 @@
-"""GET/PATCH /v1/quota over real HTTP (README "Quotas"): every key reads its own project's
+"""GET/PATCH /v1/agl/quota over real HTTP (README "Quotas"): every key reads its own project's
 quotas, only an admin key sets them; bad caps are refused with the field named."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.postgres
 
 
 def call(api_server, key: str, method: str = "GET", body: object = None) -> httpx.Response:
-    return httpx.request(method, api_server.url + "/v1/quota", json=body,
+    return httpx.request(method, api_server.url + "/v1/agl/quota", json=body,
                          headers={"Authorization": f"Bearer {key}"})
 
 
