@@ -28,7 +28,7 @@ from runners.local_gateway import LocalGateway
 from runners.models import CeleryWorker
 from runners.usage import UsageMeter
 from store import services as store_services
-from store import watchdog
+from store import rules, watchdog
 from store.errors import IllegalTransition, InvalidInput
 from store.models import Attempt, Project, Rollout
 from store.services import Dispatch, RolloutSpec
@@ -87,11 +87,24 @@ def rollout_run(*, project_id: int, rollout_id: str, worker_id: str) -> str:
             _owe_message(rollout_id)
         return NOT_QUEUED
     gateway, claim = claimed
+    if claim.rollout_id != rollout_id:
+        _ticket_taken(rollout_id, timeout, claim.config.get("timeout_seconds"))
     try:
         return _run_claimed(gateway, claim, worker_id, meter)
     finally:
         if gateway.project.max_concurrent_rollouts is not None:
             _send_one_owed(gateway.project.pk)  # a capped project's slot freed: a ticket
+
+
+def _ticket_taken(rollout_id: str, timeout: Any, other_timeout: Any) -> None:
+    """This message ran another rollout, whose own message is left for this one; if that
+    message's time limits cannot run this rollout (rules.FITS: a shorter timeout), this one
+    is owed a message now (sent by the next reconcile), not after the re-send age."""
+    number = (int, float)
+    fits = rules.FITS.python(timeout if isinstance(timeout, number) else None,
+                             other_timeout if isinstance(other_timeout, number) else None)
+    if not fits and Rollout.objects.filter(pk=rollout_id, status__in=QUEUED).exists():
+        _owe_message(rollout_id)
 
 
 def _claim_for_ticket(project_id: int, rollout_id: str, worker_id: str,

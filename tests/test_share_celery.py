@@ -147,3 +147,28 @@ def test_the_migration_puts_queued_rollouts_into_their_projects_party(project):
     parties = dict(Rollout.objects.filter(project=project).values_list("pk", "party__key"))
     assert parties == {taken.pk: None, waiting.pk: ""}
     assert services.rollout_dequeue(project=project)[0].pk == waiting.pk
+
+
+def test_a_rollout_whose_message_ran_a_shorter_one_is_owed_a_message_at_once(
+        project, broker_url, sending_to, celery_workers):
+    """The long rollout's message (ticket) runs the short one (higher priority); the short
+    one's message has time limits too short for the long one, so the long one would wait for
+    the re-send age (RUNNERS_REDISPATCH_SECONDS): it is owed a message now instead, and the
+    next reconcile (here called by hand, with the 300 s age) sends it. The worker is busy
+    with a first rollout while both are enqueued (after its start, which re-sends the oldest
+    queued messages)."""
+    celery_workers(queues=["rollouts"], broker_url=broker_url, concurrency=1)
+    first = _enqueue(project, 1, seconds=2.0)[0]
+    wait_until(lambda: Rollout.objects.get(pk=first.pk).status == "running", timeout=120)
+    long = runner_services.rollouts_enqueue_for_celery(project=project, specs=[RolloutSpec(
+        input={"seconds": 0.05}, config={"timeout_seconds": 600})], agent=SLEEPY)[0]
+    short = runner_services.rollouts_enqueue_for_celery(project=project, specs=[RolloutSpec(
+        input={"seconds": 0.05}, config={"timeout_seconds": 30}, priority=5)], agent=SLEEPY)[0]
+    wait_until(lambda: Rollout.objects.get(pk=short.pk).status == "succeeded", timeout=120)
+
+    def long_done() -> bool:
+        runner_services.rollouts_redispatch(resend_after_seconds=300)
+        return Rollout.objects.get(pk=long.pk).status == "succeeded"
+
+    wait_until(long_done, timeout=60)
+    assert Rollout.objects.get(pk=long.pk).dispatch_count == 2
