@@ -32,7 +32,7 @@ def rollouts_send(job: TrainingJob, group: Any, specs: list[RolloutSpec]) -> lis
     """Enqueue `specs` into `group` (inside the caller's transaction), mark them for Celery
     delivery and send them after commit (the sweep sends again what a lost message left)."""
     rollouts = store_services.rollout_enqueue_many(project=job.project, specs=specs,
-                                                   group=group, party=job_party(job))
+                                                   group=group, party=selectors.job_party(job))
     marked = store_services.rollout_dispatch_set(
         project=job.project, rollout_ids=[r.pk for r in rollouts],
         dispatch=delivery.CELERY_DISPATCH, target=job.agent,
@@ -40,12 +40,6 @@ def rollouts_send(job: TrainingJob, group: Any, specs: list[RolloutSpec]) -> lis
     ids = [d.rollout_id for d in marked]
     transaction.on_commit(lambda: delivery.send_rollouts(job.project_id, ids), robust=True)
     return ids
-
-
-def job_party(job: TrainingJob) -> str:
-    """The job's party of the store's fair share (README "Scheduling"): its rollouts share
-    the project's slots with the project's other jobs by their weights (`share_set --party`)."""
-    return f"trainer/job/{job.pk}"
 
 
 def rollout_metadata(job: TrainingJob, config: dict[str, Any], n: int) -> dict[str, Any]:

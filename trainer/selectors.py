@@ -56,6 +56,34 @@ def job_usage(*, job: TrainingJob) -> store_selectors.UsageTotals:
     return store_selectors.usage_totals(group_ids=job_groups(job=job).values("pk"))
 
 
+def job_party(job: TrainingJob) -> str:
+    """The job's party of the store's fair share (README "Scheduling"): its rollouts share
+    the project's slots with the project's other jobs by their weights (`share_set --party`)."""
+    return f"trainer/job/{job.pk}"
+
+
+@dataclass(frozen=True)
+class JobShare:
+    """The job's project's fair share (store_selectors.share_state) and the job's own party
+    (None before its first rollout)."""
+
+    project: store_selectors.ShareState
+    key: str
+    party: store_selectors.PartyShare | None
+
+    def describe(self) -> str:
+        mine = (f"job party {self.key}: weight {self.party.weight:g}, usage "
+                f"{self.party.usage:.1f}" if self.party else
+                f"job party {self.key}: weight 1 (no rollouts yet)")
+        return f"{self.project.describe()}; {mine}"
+
+
+def job_share(*, job: TrainingJob) -> JobShare:
+    share = store_selectors.share_state(project=job.project)
+    key = job_party(job)
+    return JobShare(share, key, next((p for p in share.parties if p.key == key), None))
+
+
 def job_rollouts(*, job: TrainingJob) -> Any:
     """Every rollout the job planned, through its groups (no key parsing, no LIKE)."""
     return Rollout.objects.filter(group__in=job_groups(job=job))

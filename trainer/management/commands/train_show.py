@@ -8,7 +8,6 @@ from core.console import progress_stream
 from store import selectors as store_selectors
 from trainer import progress, selectors
 from trainer.management.commands.train import job_or_error
-from trainer.pool import job_party
 
 
 class Command(BaseCommand):
@@ -44,11 +43,7 @@ class Command(BaseCommand):
         self.stdout.write(f"cost: job {selectors.job_usage(job=job).describe()}; project "
                           f"{job.project.name} "
                           f"{store_selectors.usage_totals(project=job.project).describe()}")
-        share = store_selectors.share_state(project=job.project)  # README "Scheduling"
-        mine = next((p for p in share.parties if p.key == job_party(job)), None)
-        party = (f"job party {job_party(job)}: weight {mine.weight:g}, usage {mine.usage:.1f}"
-                 if mine else f"job party {job_party(job)}: weight 1 (no rollouts yet)")
-        self.stdout.write(f"{share.describe()}; {party}")
+        self.stdout.write(selectors.job_share(job=job).describe())  # README "Scheduling"
         if job.error:
             self.stdout.write(self.style.ERROR(job.error))
         if job.status == "failed":  # scripts see it: a failed job exits non-zero
