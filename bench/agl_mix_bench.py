@@ -111,9 +111,14 @@ def start_runner_parent(args) -> subprocess.Popen:
 def tell(parent: subprocess.Popen, command: str, answer: str) -> None:
     parent.stdin.write(command + "\n")
     parent.stdin.flush()
-    line = parent.stdout.readline()
-    if not line.startswith(answer):
-        sys.exit(f"the AGL runners did not answer {answer!r} to {command!r} ({parent.poll()})")
+    while True:  # the runners share the parent's stdout: lines they print are passed on
+        line = parent.stdout.readline()
+        if not line:
+            sys.exit(f"the AGL runners did not answer {answer!r} to {command!r} "
+                     f"({parent.poll()})")
+        if line.startswith(answer):
+            return
+        print(f"  (AGL runner) {line.rstrip()}")
 
 
 def latencies(out_dir: str, start: float, end: float) -> dict[str, list[float]]:

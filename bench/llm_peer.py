@@ -9,8 +9,13 @@ the official openai client (chat, `max_tokens` tokens, `ignore_eos`):
 - plain: the same gateway, a project key and no attempt (nothing recorded): what LiteLLM
   forwards to, as AGL's trainer points it at vLLM's `/v1`;
 - litellm: AGL 0.3's `LLMProxy` (bench/agl_litellm_proxy.py, .venv-agl) at its per-attempt
-  URL, in front of `plain`.
-Our overhead: ours - direct; LiteLLM's: litellm - plain (at the same percentile). The paths
+  URL, in front of `plain`;
+- floor: the same client against a server that answers at once with a fixed completion
+  (bench/llm_floor_server.py: the gateway's HTTP stack, no engine, no database): what the
+  client and HTTP alone cost a call at that concurrency on this machine.
+Our overhead: ours - direct; LiteLLM's: litellm - plain (at the same percentile). `direct`
+has no client or HTTP, so ours - direct counts the floor too (litellm - plain does not: both
+have it); `ours - floor - direct` is what the gateway adds beyond it. The paths
 take turns in rounds so all see the same machine. CPU ms per call: each server process's
 CPU time over its rounds (ours: the gateway process, engine included; the engine's own share
 is the direct rounds' CPU of this process).
@@ -22,6 +27,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import threading
 import time
 
@@ -34,6 +40,7 @@ from bench.llm_common import (
     MESSAGES,
     ROOT,
     cpu_seconds,
+    free_port,
     pct,
     run_sessions,
     running_attempts,
@@ -78,6 +85,19 @@ def _start_litellm(upstream: str, key: str, sessions: int) -> tuple[subprocess.P
     return proc, info
 
 
+def _start_floor() -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "llm_floor_server.py"),
+                             str(port)], cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url)
+    except BaseException:
+        stop(proc)
+        raise
+    return proc, url
+
+
 def run(max_tokens: int = 8) -> None:
     if not AGL_PYTHON.exists():
         raise SystemExit("needs .venv-agl (bash tests/agl/setup_venv.sh): AGL 0.3 and LiteLLM")
@@ -87,8 +107,9 @@ def run(max_tokens: int = 8) -> None:
     ours_attempts = running_attempts(project, max(LEVELS))
     model = base_checkpoint(settings.MODELS_DIR)
     server, url = start_gateway(model)
-    litellm, info = None, {}
+    litellm, info, floor = None, {}, None
     try:
+        floor, floor_url = _start_floor()
         litellm, info = _start_litellm(url, key, max(LEVELS))  # stops itself if it fails
         gateway = build_gateway(models=[f"tiny={model}"])  # the direct path, here
         engine = gateway.registry.by_name("tiny")
@@ -104,6 +125,8 @@ def run(max_tokens: int = 8) -> None:
             "litellm": [openai.OpenAI(
                 base_url=f"http://127.0.0.1:{lport}/rollout/{r}/attempt/{a}/v1",
                 api_key="none", http_client=http, max_retries=0) for r, a in info["attempts"]],
+            "floor": [openai.OpenAI(base_url=f"{floor_url}/v1", api_key="none",
+                                    http_client=http, max_retries=0)] * max(LEVELS),
         }
         tokens: dict[str, list[int]] = {name: [] for name in clients}
 
@@ -126,7 +149,8 @@ def run(max_tokens: int = 8) -> None:
 
         paths = {"direct": (direct, os.getpid()), "ours": (through("ours"), server.pid),
                  "plain": (through("plain"), server.pid),
-                 "litellm": (through("litellm"), litellm.pid)}
+                 "litellm": (through("litellm"), litellm.pid),
+                 "floor": (through("floor"), floor.pid)}
         for call, _ in paths.values():  # warm up every path
             run_sessions(call, 2, 4)
         results = {}
@@ -143,8 +167,9 @@ def run(max_tokens: int = 8) -> None:
             time.sleep(0.5)
         recorded = Span.objects.filter(rollout__project=project).count()
     finally:
-        if litellm is not None:
-            stop(litellm)
+        for proc in (litellm, floor):
+            if proc is not None:
+                stop(proc)
         stop(server)
     _report(results, tokens, recorded, max_tokens)
     print("failed calls: " + ", ".join(f"{n} {len(f)} ({', '.join(sorted(set(f)))})"
@@ -158,23 +183,30 @@ def _report(results: dict, tokens: dict, recorded: int, max_tokens: int) -> None
           f"ours: attributed, {recorded} spans recorded; completion tokens per call, mean: "
           + ", ".join(f"{n} {statistics.fmean(t):.1f}" for n, t in tokens.items() if t) + ")")
     print(f"{'sessions':>8} {'pct':>4} {'direct':>8} {'ours':>8} {'plain':>8} {'litellm':>8}"
-          f" {'ours-direct':>12} {'litellm-plain':>14}   (ms)")
+          f" {'floor':>8} {'ours-direct':>12} {'litellm-plain':>14} {'ours-floor-direct':>18}"
+          "   (ms)")
     for sessions, (lat, _) in results.items():
         for name, q in (("p50", 0.5), ("p99", 0.99)):
             v = {n: pct(lat[n], q) * 1000 for n in lat}
             print(f"{sessions:>8} {name:>4} {v['direct']:8.1f} {v['ours']:8.1f} {v['plain']:8.1f}"
-                  f" {v['litellm']:8.1f} {v['ours'] - v['direct']:12.1f}"
-                  f" {v['litellm'] - v['plain']:14.1f}")
+                  f" {v['litellm']:8.1f} {v['floor']:8.1f} {v['ours'] - v['direct']:12.1f}"
+                  f" {v['litellm'] - v['plain']:14.1f}"
+                  f" {v['ours'] - v['floor'] - v['direct']:18.1f}")
     print("CPU ms per call (the serving process over its rounds):")
     for sessions, (lat, cpu) in results.items():
         print(f"  {sessions:>3} sessions: gateway (engine included) {cpu['ours']:.1f} attributed"
               f" / {cpu['plain']:.1f} plain; engine alone (direct) {cpu['direct']:.1f};"
-              f" LiteLLM proxy {cpu['litellm']:.1f} (+ the gateway behind it); "
+              f" LiteLLM proxy {cpu['litellm']:.1f} (+ the gateway behind it);"
+              f" floor server {cpu['floor']:.1f}; "
               f"calls per path {len(lat['direct'])}")
 
 
 def _last_line(results: dict) -> None:
     lat = results[16][0]
+    floor = {q: pct(lat["floor"], q) * 1000 for q in (0.5, 0.99)}
+    print(f"client and HTTP floor at 16 sessions (no engine, no database): p50 "
+          f"{floor[0.5]:.1f} ms, p99 {floor[0.99]:.1f} ms; load average "
+          f"{open('/proc/loadavg').read().split()[0]}")
     over = {q: (pct(lat["ours"], q) - pct(lat["direct"], q)) * 1000 for q in (0.5, 0.99)}
     peer = (pct(lat["litellm"], 0.5) - pct(lat["plain"], 0.5)) * 1000
     print(f"gateway overhead_p50_ms={over[0.5]:.1f} overhead_p99_ms={over[0.99]:.1f} "

@@ -173,6 +173,11 @@ STORE_FIRST_REPORT_SECONDS = env_float("STORE_FIRST_REPORT_SECONDS", 300.0, mini
 # A claim that never reported whose worker gave no sign of life (dequeue, heartbeat, report)
 # for this many seconds is unresponsive at once: its runner died right after the claim. 0: off.
 STORE_SILENT_WORKER_SECONDS = env_float("STORE_SILENT_WORKER_SECONDS", 20.0, minimum=0.0)
+# The fair share's memory (README "Scheduling"): a party's usage (its claims) halves every this
+# many seconds, so a job that ran alone for an hour is not starved for an hour when another
+# arrives, but a burst does not buy its party a fresh start either.
+SCHEDULER_USAGE_HALF_LIFE_SECONDS = env_float("SCHEDULER_USAGE_HALF_LIFE_SECONDS", 600.0,
+                                              minimum=0.001)
 # The price list of the cost ledger (README "Cost"), applied when a ledger row is written:
 # per CPU-second, per GPU-second by device type (the first name contained in the device's
 # name, else "*"), per 1000 tokens the model gateway generated. Units are the operator's.
@@ -393,6 +398,13 @@ LLM_GATEWAY_POLL_SECONDS = env_float("LLM_GATEWAY_POLL_SECONDS", 1.0, minimum=0.
 # than they bring (seen here: 20 ms per token alone with 2 threads, 3 ms with 1). Raise it
 # for large models served on a CPU; on CUDA it does not matter.
 LLM_GATEWAY_TORCH_THREADS = env_int("LLM_GATEWAY_TORCH_THREADS", 1, minimum=0)
+# `llm_serve` and its engine process: Python's switch interval (sys.setswitchinterval), the
+# longest a thread that wants the GIL waits for a busy one to hand it over. Python's default
+# (5 ms) is paid at each of a call's handoffs between threads (the event loop, the database
+# threads, the recorder; the engine process's pipe reader and decode loop); 0: the default.
+# 0.5 ms: the gateway's p50 Server-Timing at 16 sessions 12.6-24.1 ms against 33.4-33.5 with
+# the default in interleaved runs here (README "Benchmarks").
+LLM_GATEWAY_SWITCH_INTERVAL_MS = env_float("LLM_GATEWAY_SWITCH_INTERVAL_MS", 0.5, minimum=0.0)
 # `llm_serve`: the models, decode loop and batcher in a process of their own (spawned and
 # supervised by the gateway, trainer/llm/engine_client.py), away from the GIL of the process
 # doing HTTP, authentication and recording. Off: all in one process (as the embedded default).

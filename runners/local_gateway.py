@@ -63,6 +63,30 @@ class LocalGateway:
         claimed = self.retry.call(claim, what=f"claim {rollout_id}")
         return _claim(*claimed) if claimed else None
 
+    @classmethod
+    def claim_next(cls, *, dispatch: str, max_timeout: float | None, worker_id: str,
+                   retry: RetryPolicy = DEFAULT) -> tuple[LocalGateway, Claim] | None:
+        """A message's ticket: claim the rollout due next on the queue (any project;
+        store.services.rollout_claim_next); the gateway of the claimed rollout's project
+        with the claim, or None."""
+        tries, since = 0, timezone.now()
+
+        def claim() -> tuple[Rollout, Attempt] | None:
+            nonlocal tries
+            tries += 1
+            if tries > 1:  # the last try's commit may have landed, its answer lost
+                held = selectors.claims_held_by(project=None, worker_id=worker_id, since=since)
+                if held:
+                    return held[0]
+            return services.rollout_claim_next(dispatch=dispatch, max_timeout=max_timeout,
+                                               worker_id=worker_id)
+
+        claimed = retry.call(claim, what="claim the next rollout")
+        if claimed is None:
+            return None
+        rollout, attempt = claimed
+        return cls(rollout.project_id, retry=retry), _claim(rollout, attempt)
+
     def resources(self, *, resources_id: str, version: int | None) -> dict[str, Any]:
         row = self.retry.call(lambda: selectors.resources_get(
             project=self.project, resources_id=resources_id, version=version

@@ -22,12 +22,13 @@ from core.queues import Queue
 from runners import stopping
 from runners.agent import AgentError, load_agent
 from runners.executor import ENDED, FAILED, ExecutorOptions, Outcome, execute
+from runners.gateway import Claim
 from runners.held_slots import HeldSlotRecorder, held_slots_forget
 from runners.local_gateway import LocalGateway
 from runners.models import CeleryWorker
 from runners.usage import UsageMeter
 from store import services as store_services
-from store import watchdog
+from store import rules, watchdog
 from store.errors import IllegalTransition, InvalidInput
 from store.models import Attempt, Project, Rollout
 from store.services import Dispatch, RolloutSpec
@@ -60,25 +61,73 @@ class RolloutFailed(Exception):
 
 
 def rollout_run(*, project_id: int, rollout_id: str, worker_id: str) -> str:
-    """Claim a named rollout and run it; a rollout no longer queued (a duplicate message, or
-    a runner got there first) is left alone. Returns the outcome's status; raises
-    RolloutFailed when the attempt failed."""
+    """A rollout message is a ticket for a slot of its queue (README "Scheduling"): claim the
+    rollout due next among every project's Celery rollouts whose timeout fits this message's
+    time limits (those of the rollout it was sent for), else the rollout it names; run it.
+    Nothing claimable (a duplicate message, a runner got there first, the project is at its
+    cap): returns NOT_QUEUED, and a named rollout still waiting is owed a message (the next
+    reconcile, or the end of one of its project's rollouts, sends it). Returns the outcome's
+    status; raises RolloutFailed when the attempt failed."""
     meter = UsageMeter()  # the task's own CPU, its claim included (the ledger, README "Cost")
-    project = Project.objects.filter(pk=project_id).first()
-    if project is None:  # deleted since the message was sent
+    config = Rollout.objects.filter(pk=rollout_id, project_id=project_id).values_list(
+        "config", flat=True).first()
+    if config is None:  # deleted (with its project) since the message was sent
         return NOT_QUEUED
-    gateway = LocalGateway(project)
+    timeout = config.get("timeout_seconds")
     try:
-        claim = gateway.claim_rollout(rollout_id=rollout_id, worker_id=worker_id)
-        if claim is None and _take_over_from_dead(project, rollout_id, worker_id):
-            claim = gateway.claim_rollout(rollout_id=rollout_id, worker_id=worker_id)
+        claimed = _claim_for_ticket(project_id, rollout_id, worker_id,
+                                    timeout if isinstance(timeout, int | float) else None)
     except Exception:
         # Nothing was claimed (the claim is one transaction) and this message is spent (a
         # soft time limit, a database that stayed down): the next reconcile sends another.
         _owe_message(rollout_id)
         raise
-    if claim is None:
+    if claimed is None:
+        if Rollout.objects.filter(pk=rollout_id, status__in=QUEUED).exists():
+            _owe_message(rollout_id)
         return NOT_QUEUED
+    gateway, claim = claimed
+    if claim.rollout_id != rollout_id:
+        _ticket_taken(rollout_id, timeout, claim.config.get("timeout_seconds"))
+    try:
+        return _run_claimed(gateway, claim, worker_id, meter)
+    finally:
+        if gateway.project.max_concurrent_rollouts is not None:
+            _send_one_owed(gateway.project.pk)  # a capped project's slot freed: a ticket
+
+
+def _ticket_taken(rollout_id: str, timeout: Any, other_timeout: Any) -> None:
+    """This message ran another rollout, whose own message is left for this one; if that
+    message's time limits cannot run this rollout (rules.FITS: a shorter timeout), this one
+    is owed a message now (sent by the next reconcile), not after the re-send age."""
+    number = (int, float)
+    fits = rules.FITS.python(timeout if isinstance(timeout, number) else None,
+                             other_timeout if isinstance(other_timeout, number) else None)
+    if not fits and Rollout.objects.filter(pk=rollout_id, status__in=QUEUED).exists():
+        _owe_message(rollout_id)
+
+
+def _claim_for_ticket(project_id: int, rollout_id: str, worker_id: str,
+                      max_timeout: float | None) -> tuple[LocalGateway, Claim] | None:
+    claimed = LocalGateway.claim_next(dispatch=CELERY, max_timeout=max_timeout,
+                                      worker_id=worker_id)
+    if claimed is not None:
+        return claimed
+    project = Project.objects.filter(pk=project_id).first()
+    if project is None:
+        return None
+    # The named rollout: the fair claim skips rows other claims hold for an instant; this
+    # waits for them (store.services.rollout_claim).
+    gateway = LocalGateway(project)
+    claim = gateway.claim_rollout(rollout_id=rollout_id, worker_id=worker_id)
+    if claim is None and _take_over_from_dead(project, rollout_id, worker_id):
+        claim = gateway.claim_rollout(rollout_id=rollout_id, worker_id=worker_id)
+    return (gateway, claim) if claim is not None else None
+
+
+def _run_claimed(gateway: LocalGateway, claim: Claim, worker_id: str, meter: UsageMeter
+                 ) -> str:
+    project = gateway.project
     if not claim.agent:
         error = "the rollout names no agent to run"
         gateway.finish(rollout_id=claim.rollout_id, attempt_id=claim.attempt_id, status="failed",
@@ -97,6 +146,14 @@ def rollout_run(*, project_id: int, rollout_id: str, worker_id: str) -> str:
         raise RolloutFailed(f"{claim.rollout_id}/{claim.attempt_id}: "
                             f"{error or outcome.error} ({ended.status if ended else 'gone'})")
     return outcome.status
+
+
+def _send_one_owed(project_id: int) -> None:
+    try:
+        rollouts_redispatch(resend_after_seconds=settings.RUNNERS_REDISPATCH_SECONDS, limit=1,
+                            project_id=project_id)
+    except Exception:  # the database or broker is down: the reconcile sends it
+        log.exception("could not send an owed rollout message")
 
 
 def _last_line(error: str | None) -> str:
@@ -190,11 +247,12 @@ def celery_worker_resend_received(*, name: str) -> int:
 
 
 def rollouts_enqueue_for_celery(
-    *, project: Project, specs: Sequence[RolloutSpec], agent: str
+    *, project: Project, specs: Sequence[RolloutSpec], agent: str, party: str = ""
 ) -> list[Rollout]:
-    """Queue rollouts to be run by `agent` (a dotted path) on the Celery `rollouts` queue.
-    Their messages are sent after the transaction commits; a lost one is sent again by the
-    reconciliation sweep (`rollouts_redispatch`)."""
+    """Queue rollouts to be run by `agent` (a dotted path) on the Celery `rollouts` queue,
+    in the fair share's party `party` of the project (README "Scheduling"). Their messages
+    are sent after the transaction commits; a lost one is sent again by the reconciliation
+    sweep (`rollouts_redispatch`)."""
     if not agent or len(agent) > 300 or not (":" in agent or "." in agent):
         raise InvalidInput("agent", "must be a dotted path like 'package.module:name'")
     try:
@@ -203,7 +261,8 @@ def rollouts_enqueue_for_celery(
         raise InvalidInput("agent", str(exc)) from None
     specs = [_with_default_unresponsive(spec) for spec in specs]
     with transaction.atomic():
-        rollouts = store_services.rollout_enqueue_many(project=project, specs=specs)
+        rollouts = store_services.rollout_enqueue_many(project=project, specs=specs,
+                                                       party=party)
         marked = store_services.rollout_dispatch_set(
             project=project, rollout_ids=[r.pk for r in rollouts], dispatch=CELERY, target=agent
         )
@@ -211,12 +270,13 @@ def rollouts_enqueue_for_celery(
     return rollouts
 
 
-def rollouts_redispatch(*, resend_after_seconds: float, limit: int = 500) -> int:
-    """Send again the messages of queued rollouts that may have lost theirs (see
-    `store.services.rollout_dispatch_due`). Returns how many were sent."""
+def rollouts_redispatch(*, resend_after_seconds: float, limit: int = 500,
+                        project_id: int | None = None) -> int:
+    """Send again the messages of queued rollouts (of one project, with `project_id`) that may
+    have lost theirs (see `store.services.rollout_dispatch_due`). Returns how many were sent."""
     with transaction.atomic():
         due = store_services.rollout_dispatch_due(
-            resend_after_seconds=resend_after_seconds, limit=limit
+            resend_after_seconds=resend_after_seconds, limit=limit, project_id=project_id
         )
         transaction.on_commit(lambda: dispatches_send(due), robust=True)
     return len(due)

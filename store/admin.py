@@ -16,6 +16,7 @@ from store.errors import StoreError
 from store.models import (
     ApiKey,
     Attempt,
+    Party,
     Project,
     ResourceSet,
     ResourceVersion,
@@ -44,16 +45,34 @@ class ApiKeyInline(admin.TabularInline):
         return False  # keys are made with the action below, which shows the key once
 
 
+class PartyInline(admin.TabularInline):
+    """The fair share's parties (README "Scheduling"): weights are edited here; usage is the
+    claim's own bookkeeping."""
+
+    model = Party
+    extra = 0
+    fields = ("key", "weight", "usage", "usage_at")
+    readonly_fields = ("usage", "usage_at")
+    can_delete = False
+
+
 @admin.register(Project)
 class ProjectAdmin(admin.ModelAdmin):
-    list_display = ("name", "created_at")
+    list_display = ("name", "share_weight", "max_concurrent_rollouts", "gpu_seconds_per_day",
+                    "created_at")
     search_fields = ("name",)
-    readonly_fields = ("usage",)
+    readonly_fields = ("usage", "gpu_quota")
 
     @admin.display(description="Cost (ledger totals)")
     def usage(self, obj: Project) -> str:
         return selectors.usage_totals(project=obj).describe() if obj.pk else "-"
-    inlines = [ApiKeyInline]
+
+    @admin.display(description="GPU quota (last 24 h)")
+    def gpu_quota(self, obj: Project) -> str:
+        quota = selectors.gpu_quotas(project_ids=[obj.pk]).get(obj.pk) if obj.pk else None
+        return quota.describe() if quota is not None else "no cap"
+
+    inlines = [ApiKeyInline, PartyInline]
     actions = ["make_runner_key", "make_algorithm_key", "make_admin_key"]
 
     def _make_key(self, request, queryset, role: str) -> TemplateResponse:

@@ -27,17 +27,24 @@ _finished_callbacks: list[FinishedCallback] = []
 # over the finished rows (the one-statement verdict) may skip them rather than take its
 # slower full path for every rollout of every project.
 _hurry_only: set[FinishedCallback] = set()
+# Hurry-only callbacks that act on rollouts of a group only: a writer without the rows need
+# not read a finished rollout that has none for them.
+_grouped_only: set[FinishedCallback] = set()
 
 
-def on_rollouts_finished(callback: FinishedCallback, hurry_only: bool = False
-                         ) -> FinishedCallback:
+def on_rollouts_finished(callback: FinishedCallback, hurry_only: bool = False,
+                         grouped_only: bool = False) -> FinishedCallback:
     """Register `callback(rollouts)`; usable as a decorator. Registering twice is a no-op.
     `hurry_only`: the callback only brings forward what a sweep does later, so writers
-    without the rows may skip it (see has_finished_callbacks)."""
+    without the rows may skip it (see has_finished_callbacks). `grouped_only` (with
+    `hurry_only`): it acts on rollouts of a group only, so such writers need not read the
+    others for it (see has_hurry_callbacks)."""
     if callback not in _finished_callbacks:
         _finished_callbacks.append(callback)
     if hurry_only:
         _hurry_only.add(callback)
+        if grouped_only:
+            _grouped_only.add(callback)
     return callback
 
 
@@ -45,6 +52,7 @@ def remove_rollouts_finished(callback: FinishedCallback) -> None:
     if callback in _finished_callbacks:
         _finished_callbacks.remove(callback)
     _hurry_only.discard(callback)
+    _grouped_only.discard(callback)
 
 
 def has_finished_callbacks() -> bool:
@@ -54,9 +62,10 @@ def has_finished_callbacks() -> bool:
     return any(callback not in _hurry_only for callback in _finished_callbacks)
 
 
-def has_hurry_callbacks() -> bool:
-    """Whether a hurry-only callback is registered (a writer without the rows reads them)."""
-    return bool(_hurry_only)
+def has_hurry_callbacks(grouped: bool = True) -> bool:
+    """Whether a hurry-only callback wants a finished rollout that is in a group (`grouped`)
+    or in none (a writer without the rows reads the rollout for them)."""
+    return bool(_hurry_only if grouped else _hurry_only - _grouped_only)
 
 
 def call_hurry_callbacks(rollouts: list[Rollout]) -> None:

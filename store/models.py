@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django.core.validators import MinValueValidator
 from django.db import models
 from django.db.models import Q
 
@@ -21,9 +22,44 @@ class Project(models.Model):
     name = models.SlugField(max_length=100, unique=True)
     description = models.TextField(blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
+    # The cap on the project's ledger GPU-seconds over the last 24 h (store/rules.py
+    # GPU_QUOTA, README "Quotas"): past it, its training steps wait; null: no cap.
+    gpu_seconds_per_day = models.FloatField(
+        null=True, blank=True, validators=[MinValueValidator(0)],
+        help_text="GPU-seconds per rolling 24 h; empty: no cap")
+    # Its share of the workers against other projects (README "Scheduling"): a claim serves the
+    # project with the least decayed usage per unit of weight first.
+    share_weight = models.FloatField(default=1.0)
+    # At most this many of its rollouts claimed and not finished (preparing or running) at
+    # once; past it the claim skips the project and its rollouts wait. None: no cap.
+    max_concurrent_rollouts = models.PositiveIntegerField(null=True, blank=True)
 
     def __str__(self) -> str:
         return self.name
+
+
+class Party(models.Model):
+    """A party of the fair share inside a project: the rollouts enqueued under one key (the
+    trainer's "trainer/job/<pk>"; "" for those enqueued without one). Holds the party's
+    weight within its project and its usage: claims, decayed with the half-life
+    SCHEDULER_USAGE_HALF_LIFE_SECONDS from `usage_at` (store.rules.DECAYED). The claim
+    statement updates the usage of the parties it claimed from (README "Scheduling")."""
+
+    project = models.ForeignKey(Project, on_delete=models.CASCADE, related_name="parties",
+                                db_index=False)
+    key = models.CharField(max_length=200, blank=True)
+    weight = models.FloatField(default=1.0)
+    usage = models.FloatField(default=0.0)
+    usage_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        verbose_name_plural = "parties"
+        constraints = [
+            models.UniqueConstraint(fields=["project", "key"], name="party_uniq")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.project_id}/{self.key or '(project)'}"
 
 
 class ApiKey(models.Model):
@@ -140,6 +176,9 @@ class Rollout(models.Model):
         "RolloutGroup", null=True, blank=True, on_delete=models.SET_NULL,
         related_name="rollouts", db_index=False,
     )
+    # Its party of the fair share (set at enqueue; the claim picks among parties).
+    party = models.ForeignKey(Party, null=True, blank=True, on_delete=models.SET_NULL,
+                              related_name="rollouts", db_index=False)
 
     class Meta:
         indexes = [
@@ -155,6 +194,14 @@ class Rollout(models.Model):
                 models.F("priority").desc(),
                 "enqueue_time",
                 name="rollout_claim_order",
+                condition=Q(status__in=QUEUED),
+            ),
+            # the fair claim: a party's queued rollouts, highest priority then oldest first
+            models.Index(
+                "party",
+                models.F("priority").desc(),
+                "enqueue_time",
+                name="rollout_party_claim_order",
                 condition=Q(status__in=QUEUED),
             ),
             # watchdog: queued rollouts whose waiting time is bounded
@@ -367,6 +414,10 @@ class UsageEntry(models.Model):
         indexes = [
             # per-project totals and listings, newest first
             models.Index(fields=["project", "created_at"], name="usage_project_time"),
+            # a project's GPU-seconds over the quota's window (store.selectors.gpu_quotas):
+            # only the rows that used a GPU (training steps), not every attempt's
+            models.Index(fields=["project", "created_at"], name="usage_project_gpu_time",
+                         condition=Q(gpu_seconds__gt=0)),
             # per-job totals: the rows of the job's groups
             models.Index(fields=["group_id"], name="usage_group",
                          condition=Q(group_id__isnull=False)),

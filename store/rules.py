@@ -21,7 +21,8 @@ from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
-from django.db.models import Q
+from django.db.models import F, Q
+from django.db.models.functions import Coalesce
 
 from store.statuses import (
     ATTEMPT_FINAL,
@@ -186,6 +187,90 @@ def _attempt_overdue_q(now: datetime) -> Q:
 
 ATTEMPT_OVERDUE = Rule("attempt_overdue", _attempt_overdue, _attempt_overdue_sql,
                        _attempt_overdue_q)
+
+
+# --- The fair share (README "Scheduling") -----------------------------------------------------
+
+# Past this many half-lives a usage counts as nothing (2**-1000, ~1e-301: Postgres's
+# `^` raises on an underflow to 0, Python's does not).
+_MAX_HALF_LIVES = 1000.0
+
+
+def usage_half_life() -> float:
+    """SCHEDULER_USAGE_HALF_LIFE_SECONDS: > 0 (ImproperlyConfigured)."""
+    seconds = settings.SCHEDULER_USAGE_HALF_LIFE_SECONDS
+    if not isinstance(seconds, int | float) or not 0 < seconds <= MAX_LIMIT_SECONDS:
+        raise ImproperlyConfigured(
+            f"SCHEDULER_USAGE_HALF_LIFE_SECONDS={seconds!r} must be in "
+            f"(0, {MAX_LIMIT_SECONDS:.0f}]")
+    return float(seconds)
+
+
+def _decayed(usage: float, usage_at: datetime | None, now: datetime, half_life: float) -> float:
+    """A party's usage (claims) recorded at `usage_at`, as it counts at `now`: halved every
+    `half_life` seconds (Kueue's and Slurm's decay). A `usage_at` ahead of `now` (another
+    process's clock) counts as now."""
+    if usage_at is None:
+        return usage
+    lives = min(max((now - usage_at).total_seconds(), 0.0) / half_life, _MAX_HALF_LIVES)
+    return usage * 2.0 ** -lives
+
+
+def _decayed_sql(usage: str, usage_at: str, now: str, half_life: str) -> str:
+    # GREATEST skips the NULL of a usage never recorded: 0 half-lives.
+    return (f"({usage} * 0.5::float8 ^ LEAST(GREATEST(extract(epoch FROM {now} - {usage_at})"
+            f"::float8, 0) / {half_life}, {_MAX_HALF_LIVES!r}))")
+
+
+DECAYED = Rule("decayed", _decayed, _decayed_sql)
+
+
+def _under_cap(live: int, cap: int | None) -> bool:
+    """A project may have another rollout claimed: it has no cap on concurrent rollouts, or
+    fewer than its cap claimed and not finished (`live`: preparing or running)."""
+    return cap is None or live < cap
+
+
+def _under_cap_sql(live: str, cap: str) -> str:
+    return f"({cap} IS NULL OR {live} < {cap})"
+
+
+UNDER_CAP = Rule("under_cap", _under_cap, _under_cap_sql)
+
+
+def _share_order(priority: int, project_usage: float, project_weight: float,
+                 party_usage: float, party_weight: float, enqueue_time: datetime) -> tuple:
+    """The claim's order over queued rollouts (smallest first): priority (higher first), then
+    the project with the least usage per unit of weight, then the party (within the project)
+    likewise, then the oldest. Usages are decayed to the claim's instant (DECAYED); a project's
+    usage is the sum of its parties'. Two levels, as Slurm's Fair Tree: a project's share does
+    not grow with the number of its jobs."""
+    return (-priority, project_usage / project_weight, party_usage / party_weight, enqueue_time)
+
+
+def _share_order_sql(priority: str, project_usage: str, project_weight: str, party_usage: str,
+                     party_weight: str, enqueue_time: str) -> str:
+    """An ORDER BY list."""
+    return (f"{priority} DESC, {project_usage} / {project_weight}, "
+            f"{party_usage} / {party_weight}, {enqueue_time}")
+
+
+SHARE_ORDER = Rule("share_order", _share_order, _share_order_sql)
+
+
+def _fits(timeout: float | None, max_timeout: float | None) -> bool:
+    """A rollout with this config timeout a Celery ticket may run: the ticket has no bound
+    (`max_timeout` None), or the rollout has a timeout within it (the ticket's task's time
+    limits came from the timeout of the rollout it was sent for)."""
+    return max_timeout is None or (timeout is not None and timeout <= max_timeout)
+
+
+def _fits_sql(config: str, max_timeout: str) -> str:
+    """`config` is the rollout's config (jsonb)."""
+    return f"({max_timeout} IS NULL OR ({config}->>'timeout_seconds')::float8 <= {max_timeout})"
+
+
+FITS = Rule("fits", _fits, _fits_sql)
 
 
 # --- The retry rule and rollout-follows-attempt ---------------------------------------------
@@ -430,13 +515,41 @@ group_completed_at_sql = _group_completed_at_sql
 group_completed_now_sql = _group_completed_now_sql
 
 
+# --- Quotas --------------------------------------------------------------------------------------
+
+# A project's GPU-seconds cap (Project.gpu_seconds_per_day) counts its ledger rows of the last
+# 24 h, a rolling window: a row written at t counts while t > now - QUOTA_WINDOW, so it ages out
+# at t + QUOTA_WINDOW (README "Quotas"). The sum is served by the index usage_project_time.
+QUOTA_WINDOW = timedelta(hours=24)
+
+
+def _gpu_quota_reached(used: float | None, cap: float | None) -> bool:
+    """The project used its allowance: the window's GPU-seconds at or past its cap (a cap of
+    0 holds every step); no cap (None) is never reached."""
+    return cap is not None and (used or 0.0) >= cap
+
+
+def _gpu_quota_reached_sql(used: str, cap: str) -> str:
+    return f"({cap} IS NOT NULL AND COALESCE({used}, 0) >= {cap})"
+
+
+def _gpu_quota_reached_q(used: str, cap: str) -> Q:
+    """Over rows annotated with the window's sum (`used`) beside the cap's column."""
+    return Q(**{f"{cap}__isnull": False, f"{cap}__lte": Coalesce(F(used), 0.0)})
+
+
+GPU_QUOTA = Rule("gpu_quota", _gpu_quota_reached, _gpu_quota_reached_sql, _gpu_quota_reached_q)
+
+
 # --- The lock order -------------------------------------------------------------------------------
 
-# Every writer locks rows in this order of tables (within a table, in id order): attempts, then
-# rollouts, then workers, then groups. The verdict (both paths), the watchdog, the span ingest,
-# attempt_start and the claim keep it; a writer that takes two in the other order deadlocks
-# against them (attempt_start reopening a group member did: 17 deadlocks in 30 rounds).
-LOCK_ORDER = ("attempt", "rollout", "worker", "group")
+# Every writer locks rows in this order of tables (within a table, in id order): projects (the
+# claim of a capped project's rollouts, first), attempts, then rollouts, then workers, then
+# groups, then parties (the claim's usage). The verdict (both paths), the watchdog, the span
+# ingest, attempt_start and the claim keep it; a writer that takes two in the other order
+# deadlocks against them (attempt_start reopening a group member did: 17 deadlocks in 30
+# rounds).
+LOCK_ORDER = ("project", "attempt", "rollout", "worker", "group", "party")
 
 
 def locks_in_order(*tables: str) -> None:
@@ -448,4 +561,5 @@ def locks_in_order(*tables: str) -> None:
 
 ALL = (LIMIT, DEADLINE, CLAIMABLE, QUEUE_EXPIRED, ATTEMPT_OVERDUE, RETRY, ROLLOUT_FOR_ATTEMPT,
        FOLLOWS, HEARTBEAT_DUE, REVIVES, HEARTBEAT_MOVES_ROLLOUT, ERROR_MERGE, ATTEMPT_ID,
-       WORKER_FOR_ATTEMPT, WORKER_AFTER_CLAIM, GROUP_COUNT, SPAN_COUNTER)
+       WORKER_FOR_ATTEMPT, WORKER_AFTER_CLAIM, GROUP_COUNT, SPAN_COUNTER, GPU_QUOTA, DECAYED,
+       UNDER_CAP, SHARE_ORDER, FITS)

@@ -6,19 +6,21 @@ import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from functools import reduce
 from operator import and_, or_
 from types import SimpleNamespace
 from typing import Any, Generic, TypeVar
 
 from django.db import connection
-from django.db.models import Count, F, OrderBy, Q, QuerySet, Sum
+from django.db.models import Count, F, FloatField, OrderBy, OuterRef, Q, QuerySet, Subquery, Sum
+from django.utils import timezone
 
-from store import waits, wakeups
+from store import rules, waits, wakeups
 from store.errors import BadQuery, InvalidInput, NotFound
 from store.models import (
     Attempt,
+    Party,
     Project,
     ResourceSet,
     ResourceVersion,
@@ -36,6 +38,7 @@ from store.services._rows import (
 )
 from store.services._rows import _loads as json_loads
 from store.statemachine import ROLLOUT_TERMINAL, AttemptStatus, RolloutStatus
+from store.statuses import QUEUED, ROLLOUT_ACTIVE
 
 T = TypeVar("T")
 
@@ -379,18 +382,21 @@ def rollouts_first_error(*, rollout_ids: Sequence[str]) -> str | None:
     return f"rollout {failed.pk}: {error or 'failed'}"
 
 
-def claims_held_by(*, project: Project, worker_id: str, since: datetime,
+def claims_held_by(*, project: Project | None, worker_id: str, since: datetime,
                    rollout_id: str | None = None, limit: int = 1
                    ) -> list[tuple[Rollout, Attempt]]:
     """Rollouts whose latest attempt this worker claimed at or after `since` and has not
     started (preparing): what a claim whose commit landed but whose answer was lost left
     behind, for its retry to adopt (else the attempt would be held by nobody until the
     watchdog's limit). `since`, the first try's time, keeps out attempts the worker already
-    holds and runs (a runner with several slots claims under one worker id)."""
-    rollouts = (Rollout.objects.filter(project=project, latest_attempt__worker_id=worker_id,
+    holds and runs (a runner with several slots claims under one worker id). `project` None:
+    any project's (a Celery ticket's claim)."""
+    rollouts = (Rollout.objects.filter(latest_attempt__worker_id=worker_id,
                                        latest_attempt__status=AttemptStatus.PREPARING,
                                        latest_attempt__start_time__gte=since)
                 .select_related("latest_attempt").order_by("latest_attempt__start_time"))
+    if project is not None:
+        rollouts = rollouts.filter(project=project)
     if rollout_id is not None:
         rollouts = rollouts.filter(pk=rollout_id)
     return [(r, r.latest_attempt) for r in rollouts[:limit]]
@@ -465,3 +471,144 @@ def usage_totals(*, project: Project | None = None, group_ids: Any = None) -> Us
                           cost=Sum("cost"), n=Count("pk"))
     return UsageTotals(sums["cpu"] or 0.0, sums["gpu"] or 0.0, sums["tokens"] or 0,
                        sums["cost"] or 0.0, sums["n"])
+
+
+# --- Quotas (README "Quotas") --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GpuQuota:
+    """A project's GPU-seconds cap and its use over the window (rules.QUOTA_WINDOW)."""
+
+    cap: float
+    used: float
+    # When enough of the window's usage ages out to bring it under the cap; None while under
+    # it, or never (a cap of 0).
+    next_free: datetime | None = None
+
+    @property
+    def reached(self) -> bool:
+        return rules.GPU_QUOTA.python(self.used, self.cap)
+
+    def describe(self) -> str:
+        hours = rules.QUOTA_WINDOW.total_seconds() / 3600
+        text = f"quota: {self.used:,.0f} of {self.cap:,.0f} GPU-seconds in the last {hours:g} h"
+        if not self.reached:
+            return text
+        if self.next_free is None:
+            return f"{text}; a cap of 0 holds every training step"
+        return f"{text}; next free at {self.next_free.astimezone(UTC):%H:%M} UTC"
+
+
+def _gpu_used_in_window(since: datetime) -> Subquery:
+    """The GPU-seconds of the outer project's ledger rows written after `since` (the partial
+    index usage_project_gpu_time: rows that used no GPU are not read)."""
+    rows = (UsageEntry.objects.filter(project_id=OuterRef("pk"), gpu_seconds__gt=0,
+                                      created_at__gt=since)
+            .order_by().values("project_id").annotate(total=Sum("gpu_seconds")).values("total"))
+    return Subquery(rows, output_field=FloatField())
+
+
+def gpu_quotas(*, project_ids: Sequence[int], now: datetime | None = None,
+               reached_only: bool = False) -> dict[int, GpuQuota]:
+    """The GPU quota of each project that has a cap (of those with `reached_only`: the ones
+    at or past it, with the time it frees), by project id; one statement, plus one per
+    reached project for its time."""
+    now = now or timezone.now()
+    since = now - rules.QUOTA_WINDOW
+    projects = (Project.objects.filter(pk__in=list(project_ids),
+                                       gpu_seconds_per_day__isnull=False)
+                .annotate(used=_gpu_used_in_window(since)))
+    if reached_only:
+        projects = projects.filter(rules.GPU_QUOTA.q("used", "gpu_seconds_per_day"))
+    found = {}
+    for pk, cap, used in projects.values_list("pk", "gpu_seconds_per_day", "used"):
+        quota = GpuQuota(cap=cap, used=used or 0.0)
+        if quota.reached:
+            quota = GpuQuota(cap=cap, used=quota.used,
+                             next_free=_gpu_frees_at(pk, quota, since))
+        found[pk] = quota
+    return found
+
+
+def _gpu_frees_at(project_id: int, quota: GpuQuota, since: datetime) -> datetime | None:
+    """The moment the oldest rows of the window have aged out enough for the rest to be under
+    the cap (each row leaves at its created_at + the window)."""
+    left = quota.used
+    rows = (UsageEntry.objects.filter(project_id=project_id, gpu_seconds__gt=0,
+                                      created_at__gt=since)
+            .order_by("created_at").values_list("created_at", "gpu_seconds"))
+    for created_at, gpu_seconds in rows.iterator():
+        left -= gpu_seconds
+        if not rules.GPU_QUOTA.python(left, quota.cap):
+            return created_at + rules.QUOTA_WINDOW
+    return None
+
+
+def gpu_quota_reason(*, project_id: int, now: datetime | None = None) -> str | None:
+    """Why the project's training steps wait (its GPU quota reached), or None."""
+    quota = gpu_quotas(project_ids=[project_id], now=now, reached_only=True).get(project_id)
+    return quota.describe() if quota is not None else None
+
+
+# --- The fair share (README "Scheduling") ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PartyShare:
+    key: str
+    weight: float
+    usage: float  # decayed to now (rules.DECAYED)
+    queued: int
+    live: int
+
+
+@dataclass(frozen=True)
+class ShareState:
+    """A project's fair share as the claim sees it now, and why its rollouts wait."""
+
+    weight: float
+    max_concurrent_rollouts: int | None
+    live: int
+    queued: int
+    parties: list[PartyShare]
+
+    @property
+    def waiting_reason(self) -> str | None:
+        """Set while the project is at its cap and rollouts wait for it."""
+        if self.queued and not rules.UNDER_CAP.python(self.live, self.max_concurrent_rollouts):
+            return (f"cap: {self.live} of {self.max_concurrent_rollouts} concurrent rollouts "
+                    f"claimed; {self.queued} queued wait for one to end")
+        return None
+
+    def describe(self) -> str:
+        cap = "none" if self.max_concurrent_rollouts is None else self.max_concurrent_rollouts
+        line = (f"share: weight {self.weight:g}, max concurrent rollouts {cap}, "
+                f"{self.live} claimed, {self.queued} queued")
+        return line + (f" (waiting: {self.waiting_reason})" if self.waiting_reason else "")
+
+    def as_json(self) -> dict[str, Any]:
+        return {"weight": self.weight, "max_concurrent_rollouts": self.max_concurrent_rollouts,
+                "live": self.live, "queued": self.queued,
+                "waiting_reason": self.waiting_reason,
+                "parties": [{"key": p.key, "weight": p.weight, "usage": round(p.usage, 6),
+                             "queued": p.queued, "live": p.live} for p in self.parties]}
+
+
+def share_state(*, project: Project, now: datetime | None = None) -> ShareState:
+    """Served by rollout_project_status (counts by party of the project's open rollouts)."""
+    now = now or timezone.now()
+    project.refresh_from_db(fields=["share_weight", "max_concurrent_rollouts"])
+    counts = (Rollout.objects.filter(project=project, status__in=(*QUEUED, *ROLLOUT_ACTIVE))
+              .values("party_id", "status").annotate(n=Count("pk")))
+    queued: dict[int | None, int] = {}
+    live: dict[int | None, int] = {}
+    for row in counts:
+        into = queued if row["status"] in QUEUED else live
+        into[row["party_id"]] = into.get(row["party_id"], 0) + row["n"]
+    half_life = rules.usage_half_life()
+    parties = [PartyShare(p.key, p.weight,
+                          rules.DECAYED.python(p.usage, p.usage_at, now, half_life),
+                          queued.get(p.pk, 0), live.get(p.pk, 0))
+               for p in Party.objects.filter(project=project).order_by("key")]
+    return ShareState(project.share_weight, project.max_concurrent_rollouts,
+                      sum(live.values()), sum(queued.values()), parties)

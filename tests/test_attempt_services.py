@@ -242,7 +242,7 @@ def test_a_verdict_on_postgres_is_one_locking_statement_and_one_write_with_its_w
     statement (store/services/_verdict.py); a failure the config retries is left by that
     statement (nothing written) to those two."""
     # The statements alone: a hurry-only listener (the trainer's) reads the rollout after.
-    monkeypatch.setattr(hooks, "has_hurry_callbacks", lambda: False)
+    monkeypatch.setattr(hooks, "has_hurry_callbacks", lambda **_: False)
     import psycopg
     from django.db import connection
     from django.test.utils import CaptureQueriesContext

@@ -237,6 +237,7 @@ def test_a_task_interrupted_before_its_claim_owes_the_rollout_a_message(project,
         raise RuntimeError("soft time limit")
 
     monkeypatch.setattr(LocalGateway, "claim_rollout", interrupted)
+    monkeypatch.setattr(LocalGateway, "claim_next", interrupted)  # the ticket's claim
     with pytest.raises(RuntimeError):
         runner_services.rollout_run(project_id=project.pk, rollout_id=rollout.pk, worker_id="w")
     due = services.rollout_dispatch_due(resend_after_seconds=300, limit=5)

@@ -56,3 +56,17 @@ def test_rollouts_dequeued_by_runners_are_never_dispatched(project):
     enqueue(project, 3)
     later = timezone.now() + timedelta(days=1)
     assert services.rollout_dispatch_due(resend_after_seconds=1, limit=10, now=later) == []
+
+
+def test_owed_messages_of_one_project_are_found_apart(project, other_project):
+    """The end of a capped project's rollout sends its own next owed message, not another
+    project's (runners.services.rollout_run)."""
+    ids = {}
+    for p in (other_project, project):
+        (rollout,) = enqueue(p, 1)
+        services.rollout_dispatch_set(project=p, rollout_ids=[rollout.pk], dispatch="celery",
+                                      target="m:agent")
+        services.rollout_dispatch_unpublished(rollout_ids=[rollout.pk])
+        ids[p.pk] = rollout.pk
+    due = services.rollout_dispatch_due(resend_after_seconds=300, limit=1, project_id=project.pk)
+    assert [d.rollout_id for d in due] == [ids[project.pk]]

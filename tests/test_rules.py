@@ -18,8 +18,8 @@ from django.db import connection
 from django.utils import timezone
 from psycopg._queries import MAX_CACHED_STATEMENT_LENGTH
 
-from store import rules
-from store.models import Attempt, Rollout
+from store import rules, selectors
+from store.models import Attempt, Project, Rollout, UsageEntry
 from store.services import (
     RolloutSpec,
     _claim,
@@ -130,6 +130,29 @@ def test_attempt_overdue_orm_form_agrees():
                  .values_list("sequence_id", flat=True))
     expected = {i + 1 for i, case in enumerate(cases) if rules.ATTEMPT_OVERDUE.python(*case, NOW)}
     assert chosen == expected
+
+
+USED = [None, 0, 0.5, 100, 3599.9, 3600, 3612]
+CAPS = [None, 0, 1, 100, 3600]
+
+
+@pytest.mark.django_db
+def test_gpu_quota_agrees():
+    """The fragment (no cap, a cap of 0, at, under and past it, nothing used), and the ORM's
+    form on real projects and ledger rows (store.selectors.gpu_quotas)."""
+    cases = list(itertools.product(USED, CAPS))
+    cast = "%s::float8" if connection.vendor == "postgresql" else "%s"
+    _check(rules.GPU_QUOTA, {"used": cast, "cap": cast}, cases, convert=_as_bool)
+    projects = {}
+    for i, (used, cap) in enumerate(cases):
+        project = project_create(name=f"quota-{i}")
+        Project.objects.filter(pk=project.pk).update(gpu_seconds_per_day=cap)
+        for part in ([] if not used else [used / 2, used / 2]):
+            UsageEntry.objects.create(project=project, kind="step", gpu_seconds=part,
+                                      created_at=NOW - timedelta(hours=1))
+        projects[project.pk] = (used, cap)
+    reached = selectors.gpu_quotas(project_ids=list(projects), reached_only=True)
+    assert set(reached) == {pk for pk, case in projects.items() if rules.GPU_QUOTA.python(*case)}
 
 
 # --- Postgres statements' rules --------------------------------------------------------------
@@ -253,6 +276,74 @@ def test_group_count_agrees():
     _check(rules.GROUP_COUNT, casts, cases, convert=tuple)
 
 
+@pytest.mark.postgres
+@pytest.mark.django_db
+def test_decayed_usage_agrees():
+    """No usage yet, fresh, one and many half-lives old, past the underflow bound, a time
+    ahead of ours; half-lives short and long. Postgres's and Python's powers may differ in
+    the last bits: equal to 12 digits."""
+    cases = list(itertools.product(
+        [0.0, 1.0, 3.5, 1e6],
+        [None, NOW, NOW - timedelta(seconds=1), NOW - timedelta(seconds=600),
+         NOW - timedelta(days=400), NOW + timedelta(seconds=5)],
+        [NOW], [0.001, 1.0, 600.0]))
+    fragment = rules.DECAYED.sql("%(u)s::float8", "%(at)s::timestamptz", "%(now)s::timestamptz",
+                                 "%(hl)s::float8")
+    with connection.cursor() as cursor:
+        for case in cases:
+            cursor.execute(f"SELECT {fragment}", dict(zip(["u", "at", "now", "hl"], case,
+                                                          strict=True)))
+            assert cursor.fetchone()[0] == pytest.approx(rules.DECAYED.python(*case),
+                                                         rel=1e-12, abs=1e-300), case
+    assert rules.DECAYED.python(4.0, NOW - timedelta(seconds=600), NOW, 600.0) == 2.0
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+def test_under_cap_agrees():
+    cases = list(itertools.product([0, 1, 2, 5], [None, 0, 1, 2, 5]))
+    _check(rules.UNDER_CAP, {"live": "%s::int8", "cap": "%s::int4"}, cases, convert=_as_bool)
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+def test_fits_agrees():
+    """A rollout's timeout (absent, null, 0, within, past) against a ticket's bound."""
+    configs = [{}, {"timeout_seconds": None}, {"timeout_seconds": 0}, {"timeout_seconds": 1},
+               {"timeout_seconds": 2.5}, {"timeout_seconds": 1e9}]
+    cases = list(itertools.product(configs, [None, 0.0, 1.0, 2.5, 3.2e9]))
+    _check(rules.FITS, {"config": "%s::jsonb", "max": "%s::float8"}, cases,
+           python_args=lambda case: (case[0].get("timeout_seconds"), case[1]),
+           sql_value=lambda name, value: json.dumps(value) if name == "config" else value,
+           convert=_as_bool)
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+def test_share_order_agrees():
+    """Rows of mixed priorities, usages, weights and ages sort the same by the fragment (an
+    ORDER BY) and by the Python key."""
+    values = itertools.product([0, 3], [0.0, 2.0, 5.0], [1.0, 2.0], [0.0, 1.5], [1.0, 3.0],
+                               [NOW, NOW - timedelta(seconds=1)])
+    rows = [(i, *v) for i, v in enumerate(values)]
+    order = rules.SHARE_ORDER.sql("p", "pu", "pw", "u", "w", "t")
+    placeholders = ", ".join(["(%s::int, %s::int, %s::float8, %s::float8, %s::float8, "
+                              "%s::float8, %s::timestamptz)"] * len(rows))
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT i FROM (VALUES {placeholders}) v(i, p, pu, pw, u, w, t) "
+                       f"ORDER BY {order}, i", [x for row in rows for x in row])
+        answer = [row[0] for row in cursor.fetchall()]
+    expected = [row[0] for row in sorted(rows, key=lambda r: (rules.SHARE_ORDER.python(*r[1:]),
+                                                              r[0]))]
+    assert answer == expected
+
+
+def test_usage_half_life_is_checked(settings):
+    settings.SCHEDULER_USAGE_HALF_LIFE_SECONDS = 0
+    with pytest.raises(ImproperlyConfigured, match="SCHEDULER_USAGE_HALF_LIFE_SECONDS"):
+        rules.usage_half_life()
+
+
 def test_lock_order_is_one_order():
     rules.locks_in_order("attempt", "rollout", "worker", "group")
     rules.locks_in_order("attempt", "group")
@@ -264,7 +355,8 @@ def test_every_rule_has_its_test():
     tested = {"limit", "deadline", "claimable", "queue_expired", "attempt_overdue", "retry",
               "rollout_for_attempt", "follows", "heartbeat_due", "revives",
               "heartbeat_moves_rollout", "error_merge", "attempt_id", "worker_for_attempt",
-              "worker_after_claim", "group_count", "span_counter"}
+              "worker_after_claim", "group_count", "span_counter", "gpu_quota", "decayed",
+              "under_cap", "share_order", "fits"}
     assert {rule.name for rule in rules.ALL} == tested
 
 
@@ -322,7 +414,9 @@ def test_hot_statements_stay_within_psycopgs_parse_cache():
     parsing is not cached and every claim pays it again (the claim grew to 4.2 KB: about
     30 us of client CPU more per rollout claimed, under load)."""
     flags = list(itertools.product([False, True], repeat=3))
-    lengths = {f"claim{f}": len(_claim._claim_statement(*f)[0]) for f in flags}
+    # (named, worker, key checked, ticket): a ticket (a Celery message) is never key-checked
+    claims = [f for f in itertools.product([False, True], repeat=4) if not (f[2] and f[3])]
+    lengths = {f"claim{f}": len(_claim._claim_statement(*f)[0]) for f in claims}
     lengths |= {f"verdict{f}": len(_verdict._sql(*f)) for f in flags}
     lengths |= {f"export{k}": len(spans._common_sql(1, k)) for k in (False, True)}
     print(lengths)

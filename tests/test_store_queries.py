@@ -206,3 +206,17 @@ def test_a_zero_limit_is_an_empty_page_of_attempts(project):
     rollout, _ = claim(project)
     page = selectors.attempt_query(project=project, rollout_id=rollout.pk, limit=0)
     assert (page.items, page.total) == ([], 1)
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+def test_a_one_statement_path_binds_many_parameters_in_order_and_keeps_literal_percents():
+    """fetch_one_prepared converts `%s` to `$n` itself (psycopg's RawCursor runs it): past
+    psycopg's own cache limits (50 parameters), `%%` a literal `%`, anything else refused."""
+    from store.services._rows import _native, fetch_one_prepared
+
+    values = list(range(60))
+    row = fetch_one_prepared("SELECT " + ", ".join(["%s::int"] * 60) + ", '100%%'", values)
+    assert list(row[:60]) == values and row[60] == "100%"
+    with pytest.raises(ValueError):
+        _native("SELECT %(name)s")

@@ -42,6 +42,9 @@ def test_train_show_and_train_cancel(monkeypatch, settings, tmp_path):
     call_command("train_show", str(job.pk), stdout=out)
     assert f"job {job.pk} cipher [running]" in out.getvalue()
     assert "step   0  rolling" in out.getvalue()
+    # The fair share (README "Scheduling"): step 0's rollouts queued in the job's party.
+    assert ("share: weight 1, max concurrent rollouts none, 0 claimed" in out.getvalue()
+            and f"job party trainer/job/{job.pk}: weight 1, usage 0.0" in out.getvalue())
     call_command("train_cancel", str(job.pk), stdout=out)
     job.refresh_from_db()
     assert job.status == JobStatus.CANCELLED

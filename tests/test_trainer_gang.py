@@ -23,7 +23,7 @@ from examples.cipher import job_spec
 from store import selectors as store_selectors
 from store import services as store_services
 from store.errors import InvalidInput
-from store.models import Rollout
+from store.models import Rollout, UsageEntry
 from store.statemachine import RolloutStatus
 from tests.celery_fixtures import use_broker, wait_until
 from trainer import gang, selectors, services
@@ -190,6 +190,11 @@ def test_a_gang_waits_for_its_missing_node_then_2_workers_x_2_ranks_match_world_
                                                                        "training-b"}
     assert members[0].master_addr == "127.0.0.1" and members[0].master_port
     assert step.worker == members[0].worker
+    # Each node's usage is in the ledger: node 0's with the finish, node 1's from its worker.
+    wait_until(lambda: UsageEntry.objects.filter(group_id=step.group_id, kind="step")
+               .count() == 2, timeout=60, message="a gang node's ledger row is missing")
+    rows = UsageEntry.objects.filter(group_id=step.group_id, kind="step")
+    assert all(r.cpu_seconds > 0 and r.gpu_seconds == 0 for r in rows)
 
     algorithm = algorithm_load(job.algorithm, {**services.job_config(job), "world_size": 1})
     state = checkpoint_state(algorithm, job, step.resources_version)
@@ -308,6 +313,24 @@ def test_a_member_checks_its_peers_dead_on_its_host_silent_elsewhere_and_its_try
     check = gang._watch(a, [], silent_seconds=30)
     services.step_record_failure(step_id=step.pk, attempt=1, error="elsewhere")
     assert check() == "try 1 of the step ended on another node"
+
+
+@pytest.mark.django_db
+def test_a_members_usage_is_recorded_only_while_its_try_is_the_steps():
+    job = gang_job("gang-usage")
+    services.job_start(job_id=job.pk)
+    step = job.steps.select_related("job").get(n=0)
+    TrainingStep.objects.filter(pk=step.pk).update(status=StepStatus.TRAINING, attempts=1)
+    usage = store_services.Usage(cpu_seconds=2.5, gpu_seconds=8.0, gpu_type="NVIDIA H100")
+    assert services.step_record_member_usage(step=step, attempt=1, usage=usage)
+    TrainingStep.objects.filter(pk=step.pk).update(status=StepStatus.DONE)
+    assert services.step_record_member_usage(step=step, attempt=1, usage=usage)  # node 0 won
+    assert not services.step_record_member_usage(step=step, attempt=2, usage=usage)
+    TrainingStep.objects.filter(pk=step.pk).update(status=StepStatus.READY)  # the try failed
+    assert not services.step_record_member_usage(step=step, attempt=1, usage=usage)
+    rows = list(UsageEntry.objects.filter(group_id=step.group_id, kind="step")
+                .values_list("cpu_seconds", "gpu_seconds", "gpu_type"))
+    assert rows == [(2.5, 8.0, "NVIDIA H100")] * 2
 
 
 @pytest.mark.django_db

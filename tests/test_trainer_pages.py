@@ -57,6 +57,9 @@ def test_job_pages_show_plots_steps_checkpoints_and_admin_links(staff, trained_j
     assert f"/admin/store/rollout/?group__id__exact={first.group_id}" in html
     assert "Checkpoint history" in html and "(best)" in html
     assert "no live worker serves queue &#x27;training&#x27;" in html  # the worker registry
+    # The fair share (README "Scheduling"): the project's weight and this job's party.
+    assert "Fair share" in html and "max concurrent rollouts none" in html
+    assert f"trainer/job/{trained_job.pk} (this job)" in html
     assert "<script" not in html and "http://" not in html.replace("http://www.w3.org", "")
     admin = staff.get(f"/admin/store/rollout/?group__id__exact={first.group_id}")
     assert admin.status_code == 200

@@ -103,7 +103,7 @@ def _statements(captured) -> list[str]:
 def test_the_one_statement_verdict_leaves_the_rows_of_the_full_path(project, shape, verdict,
                                                                      monkeypatch):
     # The statement alone: a hurry-only listener (the trainer's) reads the rollout after it.
-    monkeypatch.setattr(hooks, "has_hurry_callbacks", lambda: False)
+    monkeypatch.setattr(hooks, "has_hurry_callbacks", lambda **_: False)
     (ra, aa), (rb, ab) = _twins(project, **shape)
     completed: list[str] = []
     hooks.on_groups_completed("test", lambda: completed.append("nudged"))
@@ -125,6 +125,33 @@ def test_the_one_statement_verdict_leaves_the_rows_of_the_full_path(project, sha
         if "error" in verdict:
             assert answer.metadata == {"error": verdict["error"]}
     assert (common.metadata, common.worker_id is None) == (full.metadata, full.worker_id is None)
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("grouped", [0, 1], ids=["no-group", "grouped"])
+def test_a_grouped_only_hurry_callback_costs_no_read_for_a_rollout_without_a_group(
+        project, grouped, monkeypatch):
+    """The one-statement verdict reads the finished rollout after its commit only for a
+    hurry-only callback that wants it: one registered `grouped_only` (the trainer's) gets the
+    rollouts of a group, read after the statement, and costs nothing for the others."""
+    seen: list = []
+    monkeypatch.setattr(hooks, "_finished_callbacks", [])
+    monkeypatch.setattr(hooks, "_hurry_only", set())
+    monkeypatch.setattr(hooks, "_grouped_only", set())
+    hooks.on_rollouts_finished(seen.extend, hurry_only=True, grouped_only=True)
+    (rollout_id, attempt_id), _ = _twins(project, grouped=grouped)
+    with CaptureQueriesContext(connection) as captured:
+        _common(project, rollout_id, attempt_id)
+    assert len(_statements(captured)) == (2 if grouped else 1), _statements(captured)
+    assert [(r.pk, r.status) for r in seen] == ([(rollout_id, "succeeded")] if grouped else [])
+    # One that is not grouped-only gets every finished rollout, read after the statement.
+    hooks.remove_rollouts_finished(seen.extend)
+    hooks.on_rollouts_finished(seen.extend, hurry_only=True)
+    (other_id, other_attempt), _ = _twins(project)
+    with CaptureQueriesContext(connection) as captured:
+        _common(project, other_id, other_attempt)
+    assert len(_statements(captured)) == 2, _statements(captured)
+    assert seen[-1].pk == other_id and seen[-1].status == "succeeded"
 
 
 def _declined(project, rollout_id, attempt_id, status="succeeded"):

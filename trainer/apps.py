@@ -22,8 +22,10 @@ class TrainerConfig(AppConfig):
         register_reconciler("training_groups", reactions.groups_completed)
         # An asynchronous job's step may train once enough groups finished (trainer/pool.py).
         # Hurry-only: the control sweep checks rolling steps anyway, and the one-statement
-        # verdict (Postgres) must stay open to every project's rollouts.
-        hooks.on_rollouts_finished(reactions.rollouts_finished, hurry_only=True)
+        # verdict (Postgres) must stay open to every project's rollouts. Grouped-only: it acts
+        # on rollouts of a group alone, so that verdict reads no other rollout for it.
+        hooks.on_rollouts_finished(reactions.rollouts_finished, hurry_only=True,
+                                   grouped_only=True)
         # The control sweep re-sends training steps left by a dead worker (and steps whose
         # completion was not acted on, or whose deadline passed).
         register_reconciler("training_steps", services.steps_redispatch)

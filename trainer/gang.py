@@ -55,10 +55,13 @@ POLL_SECONDS = 0.25
 def step_train(*, step_id: int, worker: str, retry: RetryPolicy = DB_RETRY) -> str:
     """The train-step task's body: a gang member's part of a multi-node step, else
     services.step_train. Returns what happened: done, member (this node's ranks did their
-    part, node 0 finishes), released (the gang did not form), skipped, retry, failed, lost."""
+    part, node 0 finishes), released (the gang did not form), quota (its project's GPU quota
+    is reached: services.step_quota_wait), skipped, retry, failed, lost."""
     config = _gang_config(step_id)
     if config is None:
         return services.step_train(step_id=step_id, worker=worker, retry=retry)
+    if (held := services.step_quota_wait(step_id)) is not None:
+        return held  # before joining: no place taken in a gang that could not start
     meter = CpuMeter()
     member = gang_join(step_id=step_id, worker=worker)
     if member is None:
@@ -269,9 +272,12 @@ def _run(member: GangMember, step: TrainingStep, meter: CpuMeter, retry: RetryPo
         return retry.call(lambda: services.step_record_failure(
             step_id=step.pk, attempt=member.attempt, error=error),
             what=f"step {step.pk}: recording a failure")
-    if member.node_rank != 0:
-        return "member"
     usage = services.step_usage(meter, result)
+    if member.node_rank != 0:
+        retry.call(lambda: services.step_record_member_usage(
+            step=step, attempt=member.attempt, usage=usage),
+            what=f"step {step.pk}: gang node {member.node_rank}'s usage")
+        return "member"
     return retry.call(lambda: services.step_finish(step, result, usage),
                       what=f"step {step.pk}: finishing")
 

@@ -36,7 +36,7 @@ def rollouts_send(job: TrainingJob, group: Any, specs: list[RolloutSpec]) -> lis
     """Enqueue `specs` into `group` (inside the caller's transaction), mark them for Celery
     delivery and send them after commit (the sweep sends again what a lost message left)."""
     rollouts = store_services.rollout_enqueue_many(project=job.project, specs=specs,
-                                                   group=group)
+                                                   group=group, party=selectors.job_party(job))
     marked = store_services.rollout_dispatch_set(
         project=job.project, rollout_ids=[r.pk for r in rollouts],
         dispatch=delivery.CELERY_DISPATCH, target=job.agent,

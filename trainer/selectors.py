@@ -25,10 +25,15 @@ from trainer.models import GangMember, JobStatus, StepStatus, TrainingJob, Train
 
 def training_backlog() -> tuple[int, int]:
     """(queued, running) training steps: ready ones wait for a training worker, training ones
-    hold one (the scaling signal of the training queue, core/scaling.py)."""
-    counts = dict(TrainingStep.objects.filter(status__in=[StepStatus.READY, StepStatus.TRAINING])
-                  .values_list("status").annotate(n=Count("pk")).order_by())
-    return counts.get(StepStatus.READY, 0), counts.get(StepStatus.TRAINING, 0)
+    hold one (the scaling signal of the training queue, core/scaling.py). A ready step of a
+    project past its GPU quota waits for time, not for a worker: not counted."""
+    counts = list(TrainingStep.objects.filter(status__in=[StepStatus.READY, StepStatus.TRAINING])
+                  .values_list("status", "job__project_id").annotate(n=Count("pk")).order_by())
+    held = store_selectors.gpu_quotas(
+        project_ids={p for status, p, _ in counts if status == StepStatus.READY},
+        reached_only=True)
+    queued = sum(n for status, p, n in counts if status == StepStatus.READY and p not in held)
+    return queued, sum(n for status, _, n in counts if status == StepStatus.TRAINING)
 
 
 def step_rollouts(*, step: TrainingStep) -> Any:
@@ -49,6 +54,34 @@ def job_usage(*, job: TrainingJob) -> store_selectors.UsageTotals:
     """The job's cost ledger totals: its attempts' rows and its steps' (all carry one of the
     job's rollout groups)."""
     return store_selectors.usage_totals(group_ids=job_groups(job=job).values("pk"))
+
+
+def job_party(job: TrainingJob) -> str:
+    """The job's party of the store's fair share (README "Scheduling"): its rollouts share
+    the project's slots with the project's other jobs by their weights (`share_set --party`)."""
+    return f"trainer/job/{job.pk}"
+
+
+@dataclass(frozen=True)
+class JobShare:
+    """The job's project's fair share (store_selectors.share_state) and the job's own party
+    (None before its first rollout)."""
+
+    project: store_selectors.ShareState
+    key: str
+    party: store_selectors.PartyShare | None
+
+    def describe(self) -> str:
+        mine = (f"job party {self.key}: weight {self.party.weight:g}, usage "
+                f"{self.party.usage:.1f}" if self.party else
+                f"job party {self.key}: weight 1 (no rollouts yet)")
+        return f"{self.project.describe()}; {mine}"
+
+
+def job_share(*, job: TrainingJob) -> JobShare:
+    share = store_selectors.share_state(project=job.project)
+    key = job_party(job)
+    return JobShare(share, key, next((p for p in share.parties if p.key == key), None))
 
 
 def job_rollouts(*, job: TrainingJob) -> Any:
@@ -265,17 +298,36 @@ def job_threshold_reached(*, job: TrainingJob) -> ThresholdReached | None:
     return None
 
 
+def step_quota_reason(*, step_id: int) -> str | None:
+    """Why a step of a running job may not start training yet: its project reached its GPU
+    quota ("quota: 3,612 of 3,600 GPU-seconds in the last 24 h; next free at 14:05 UTC",
+    README "Quotas"); None when it may, or when it is gone."""
+    project_id = (TrainingStep.objects.filter(pk=step_id, job__status=JobStatus.RUNNING)
+                  .values_list("job__project_id", flat=True).first())
+    if project_id is None:
+        return None
+    return store_selectors.gpu_quota_reason(project_id=project_id)
+
+
 def step_waiting_reason(*, step: TrainingStep,
-                        workers: list[tuple[str, list[dict]]] | None = None) -> str | None:
-    """Why a step ready to train (or left by a dead worker) waits: its job's `resources` fit
-    no live training worker ("needs 2 GPUs with >= 40 GB; live training workers: ..."), or its
-    gang (job config `nodes`) is gathering or lacks live workers. None when nothing stands in
-    its way, when the step is not waiting for a worker, or with no registry wired."""
+                        workers: list[tuple[str, list[dict]]] | None = None,
+                        quotas: dict[int, store_selectors.GpuQuota] | None = None) -> str | None:
+    """Why a step ready to train (or left by a dead worker) waits: its project reached its
+    GPU quota (`quotas`: the reached ones by project id, read here when not given), its
+    job's `resources` fit no live training worker ("needs 2 GPUs with >= 40 GB; live
+    training workers: ..."), or its gang (job config `nodes`) is gathering or lacks live
+    workers. None when nothing stands in its way, when the step is not waiting for a worker,
+    or with no registry wired."""
     waiting = step.status == StepStatus.READY or (
         step.status == StepStatus.TRAINING and step.lease_until is not None
         and step.lease_until < timezone.now())
     if not waiting:
         return None
+    if quotas is None:
+        quotas = store_selectors.gpu_quotas(project_ids=[step.job.project_id],
+                                            reached_only=True)
+    if (quota := quotas.get(step.job.project_id)) is not None:
+        return quota.describe()
     config = step.job.config or {}
     need = devices.resources_parse(config.get("resources"))
     nodes = int(config.get("nodes", 1))
@@ -321,9 +373,13 @@ def waiting_steps(*, project_id: int | None = None, job_id: int | None = None
     if job_id is not None:
         steps = steps.filter(job_id=job_id)
     workers = control.live_worker_devices(Queue.TRAINING.value)
+    steps = list(steps)
+    quotas = store_selectors.gpu_quotas(project_ids={s.job.project_id for s in steps},
+                                        reached_only=True)
     found = []
     for step in steps:
-        if (reason := step_waiting_reason(step=step, workers=workers)) is not None:
+        if (reason := step_waiting_reason(step=step, workers=workers,
+                                          quotas=quotas)) is not None:
             found.append((step, reason))
     return found
 

@@ -380,7 +380,8 @@ def train_device() -> str:
 def step_train(*, step_id: int, worker: str | None = None,
                retry: RetryPolicy = DB_RETRY) -> str:
     """The train-step task's body: claim, learn, write the next checkpoint, plan the next step.
-    Returns what happened: done, skipped (nothing to do), retry, failed or lost.
+    Returns what happened: done, skipped (nothing to do), quota (step_quota_wait), retry,
+    failed or lost.
 
     Once the step is claimed, this try holds it until its lease ends (a live process's hold
     is not taken over), so every database call after the claim retries transient errors
@@ -389,6 +390,8 @@ def step_train(*, step_id: int, worker: str | None = None,
     itself fails the task, which Celery retries (trainer/tasks.py): nothing is held then."""
     worker = worker or f"{socket.gethostname()}:{os.getpid()}"
     meter = CpuMeter()  # the task's CPU, for the step's ledger row (README "Cost")
+    if (held := step_quota_wait(step_id)) is not None:
+        return held
     step = step_claim(step_id=step_id, worker=worker)
     if step is None:
         return "skipped"
@@ -406,6 +409,20 @@ def step_train(*, step_id: int, worker: str | None = None,
     usage = step_usage(meter, result)
     return retry.call(lambda: step_finish(step, result, usage),
                       what=f"step {step.pk}: finishing")
+
+
+def step_quota_wait(step_id: int) -> str | None:
+    """"quota" when the step's project reached its GPU quota (README "Quotas"), else None.
+    Looked at before the claim, by one worker and by each gang member before it joins: the
+    step stays ready with no try counted and no lease or gang place taken, shown waiting with
+    the reason (selectors.step_waiting_reason), and the trainer sweep sends it again every
+    `resend_seconds` (as a gang that did not form) until usage ages out of the window. No
+    rollouts are planned meanwhile: the next step's are planned when this one finishes."""
+    reason = selectors.step_quota_reason(step_id=step_id)
+    if reason is None:
+        return None
+    log.info("step %s waits: %s", step_id, reason)
+    return "quota"
 
 
 def step_precheck(step: TrainingStep, retry: RetryPolicy = DB_RETRY
@@ -442,6 +459,23 @@ def step_usage(meter: CpuMeter, result: TrainResult) -> store_services.Usage:
     name = cuda_held()[1] if result.devices else ""
     return store_services.Usage(cpu_seconds=meter.cpu_seconds(),
                                 gpu_seconds=result.seconds * result.devices, gpu_type=name)
+
+
+def step_record_member_usage(*, step: TrainingStep, attempt: int,
+                             usage: store_services.Usage) -> bool:
+    """A gang member's own ledger row (a node other than 0, README "Cost"): what its ranks
+    used, written when its part of try `attempt` ends, while the step's try is that one
+    (training, or done by node 0 already); node 0's row is written with the step's finish.
+    False when the try is gone (failed or taken over: its usage is not billed, as a single
+    worker's failed try)."""
+    with transaction.atomic():
+        ours = (TrainingStep.objects.select_for_update().filter(
+            pk=step.pk, attempts=attempt, status__in=[StepStatus.TRAINING, StepStatus.DONE])
+            .exists())
+        if ours:
+            store_services.usage_record_step(project=step.job.project, group_id=step.group_id,
+                                             usage=usage)
+    return ours
 
 
 def _consumes_groups(step: TrainingStep) -> bool:
@@ -532,7 +566,8 @@ def train_run(step: TrainingStep, run_update: UpdateRunner | None = None,
         if run_update is not None:
             update, device, devices = run_update(algorithm, step.n, state, samples)
             if update is None:
-                return TrainResult(None, metrics, device, time.perf_counter() - started)
+                return TrainResult(None, metrics, device, time.perf_counter() - started,
+                                   devices=devices)
         elif world_size > 1:
             update, device = distributed.update(algorithm, step=step.n, state=state,
                                                 samples=samples, world_size=world_size,

@@ -56,6 +56,7 @@ def job_detail(request, pk: int, workers: Callable[[], Any] | None = None):
         "checkpoints": selectors.job_checkpoints(job=job),
         "usage": selectors.job_usage(job=job),
         "project_usage": store_selectors.usage_totals(project=job.project),
+        "share": selectors.job_share(job=job),
         "queues": workers() if workers else [],
         "waiting": [(step.n, reason) for step, reason in selectors.waiting_steps(job_id=job.pk)],
         "refresh_seconds": None if job.status in JOB_TERMINAL else REFRESH_SECONDS,

@@ -114,21 +114,31 @@ def lean_cache_clear() -> None:
         _lean_cache.clear()
 
 
-def authenticate_key_lean(raw: str) -> LeanKey | None:
-    """The key for a lean path: from this process's cache (its liveness left to the
-    request's statement), or authenticated in full (`authenticate_key`: read and compared,
-    last_used_at kept) on a miss and once a minute per key; None when it is not a live key."""
+def cached_key_lean(raw: str) -> LeanKey | None:
+    """The key from this process's cache alone (no database: its liveness is left to the
+    request's statement), or None on a miss (and once a minute per key)."""
     digest = hashlib.sha256(raw.encode()).digest()
-    clock = time.monotonic()
     with _lean_lock:
         hit = _lean_cache.get(digest)
-        if hit is not None and clock - hit[5] < LEAN_RECHECK_SECONDS:
-            _lean_cache.move_to_end(digest)
-    if hit is not None and clock - hit[5] < LEAN_RECHECK_SECONDS:
-        pk, project_id, db, role, name, _ = hit
-        # The project by its pk alone (its other fields load if ever read): never stale.
-        project = Project.from_db(db, ["id"], [project_id])
-        return LeanKey(pk, project, role, name, (pk, role))
+        if hit is None or time.monotonic() - hit[5] >= LEAN_RECHECK_SECONDS:
+            return None
+        _lean_cache.move_to_end(digest)
+    pk, project_id, db, role, name, _ = hit
+    # The project by its pk alone (its other fields load if ever read): never stale.
+    project = Project.from_db(db, ["id"], [project_id])
+    return LeanKey(pk, project, role, name, (pk, role))
+
+
+def authenticate_key_lean(raw: str, cached: bool = True) -> LeanKey | None:
+    """The key for a lean path: from this process's cache (`cached_key_lean`), or
+    authenticated in full (`authenticate_key`: read and compared, last_used_at kept) on a
+    miss, once a minute per key, and always with `cached` False (the cache then updated);
+    None when it is not a live key."""
+    hit = cached_key_lean(raw) if cached else None
+    if hit is not None:
+        return hit
+    digest = hashlib.sha256(raw.encode()).digest()
+    clock = time.monotonic()
     key = authenticate_key(raw)
     with _lean_lock:
         if key is None:

@@ -133,7 +133,7 @@ PATH_MAX_LENGTH = {("update_worker", "worker_id"): 200, ("update_resources", "re
 # Operations whose JSON body may be absent or `null` (taken as `{}`: StoreView.body).
 OPTIONAL_BODY = frozenset({
     "dequeue_rollouts", "claim_rollout", "search_rollouts", "update_rollout", "start_attempt",
-    "search_attempts", "update_attempt", "search_workers", "update_worker",
+    "search_attempts", "update_attempt", "search_workers", "update_worker", "set_quota",
 })
 RESOURCES_BODY = {
     "type": "object",

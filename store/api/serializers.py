@@ -16,6 +16,7 @@ from rest_framework import exceptions, serializers
 from store import selectors
 from store.api import limits
 from store.models import Attempt, ResourceVersion, Rollout, Span, Worker
+from store.services.shares import MAX_WEIGHT, MIN_WEIGHT
 from store.statemachine import (
     ATTEMPT_FINAL,
     MAX_LIMIT_SECONDS,
@@ -464,6 +465,28 @@ class ProjectIn(serializers.Serializer):
     description = StrictCharField(required=False, allow_blank=True, default="")
 
 
+class QuotaIn(serializers.Serializer):
+    """A field left out stays as it is; null removes the cap (README "Quotas")."""
+
+    gpu_seconds_per_day = FiniteFloatField(
+        required=False, allow_null=True, min_value=0,
+        help_text="cap on the project's ledger GPU-seconds over the last 24 h; null: no cap")
+
+
+class ShareIn(serializers.Serializer):
+    """Extension (README "Scheduling"): what to set; an omitted field is left as it is."""
+
+    weight = serializers.FloatField(required=False, min_value=MIN_WEIGHT, max_value=MAX_WEIGHT,
+                                    help_text="the project's weight")
+    max_concurrent_rollouts = serializers.IntegerField(
+        required=False, allow_null=True, min_value=0, max_value=2**31 - 1,
+        help_text="cap on claimed, unfinished rollouts; null lifts it")
+    party = StrictCharField(required=False, allow_blank=True, max_length=200,
+                            help_text="a party of the project (a job's: trainer/job/<id>)")
+    party_weight = serializers.FloatField(required=False, min_value=MIN_WEIGHT,
+                                          max_value=MAX_WEIGHT, help_text="the party's weight")
+
+
 # --- outputs ---------------------------------------------------------------------------------
 
 
@@ -660,3 +683,13 @@ class ProjectOut(serializers.Serializer):
     keys = serializers.DictField(
         child=serializers.CharField(), help_text="role -> raw key; shown once, never again"
     )
+
+
+class QuotaOut(serializers.Serializer):
+    project = serializers.CharField()
+    gpu_seconds_per_day = serializers.FloatField(allow_null=True)
+    gpu_seconds_used = serializers.FloatField(
+        allow_null=True, help_text="the ledger's GPU-seconds over the last 24 h (with a cap)")
+    reached = serializers.BooleanField(help_text="the project's training steps wait")
+    next_free = EpochField(allow_null=True, help_text="when enough usage ages out (reached)")
+    reason = serializers.CharField(allow_null=True, help_text="as train_show words it")

@@ -62,6 +62,8 @@ agl = [
     path("workers/search", v.SearchWorkersView.as_view()),
     path("workers/<str:worker_id>", WorkerEndpoint.as_view()),
     path("statistics", v.StatisticsView.as_view()),
+    path("share", v.ShareView.as_view()),
+    path("quota", v.QuotaView.as_view()),
     path("resources", ResourcesEndpoint.as_view()),
     path("resources/latest", v.LatestResourcesView.as_view()),
     path("resources/<str:resources_id>", ResourceEndpoint.as_view()),

@@ -17,7 +17,7 @@ from rest_framework.response import Response
 from store import selectors, services
 from store.api import limits
 from store.api import serializers as s
-from store.api.auth import ALGORITHM_ROLES, PROJECT_ROLES, SITE_ADMIN_ONLY
+from store.api.auth import ADMIN_ONLY, ALGORITHM_ROLES, PROJECT_ROLES, SITE_ADMIN_ONLY
 from store.api.base import StoreView, respond
 from store.api.errors import PayloadTooLarge
 from store.errors import NotFound
@@ -477,6 +477,52 @@ class NextSpanSequenceIdView(StoreView):
 
 
 # --- projects (extension) --------------------------------------------------------------------
+
+
+class QuotaView(StoreView):
+    """Extension: the key's project's quotas (README "Quotas"); an admin key sets them."""
+
+    patch_roles = ADMIN_ONLY
+
+    @extend_schema(responses={200: s.QuotaOut}, operation_id="get_quota")
+    def get(self, request: Request) -> Response:
+        return self._answer(self.project)
+
+    @extend_schema(request=s.QuotaIn, responses={200: s.QuotaOut}, operation_id="set_quota")
+    def patch(self, request: Request) -> Response:
+        return self._answer(services.project_quota_set(project=self.project,
+                                                       **self.body(s.QuotaIn)))
+
+    def _answer(self, project: Any) -> Response:
+        quota = selectors.gpu_quotas(project_ids=[project.pk]).get(project.pk)
+        return respond(s.QuotaOut, {
+            "project": project.name, "gpu_seconds_per_day": project.gpu_seconds_per_day,
+            "gpu_seconds_used": quota.used if quota else None,
+            "reached": bool(quota and quota.reached),
+            "next_free": quota.next_free if quota else None,
+            "reason": quota.describe() if quota and quota.reached else None})
+
+
+class ShareView(StoreView):
+    """Extension (README "Scheduling"): the key's project's fair share, and why its rollouts
+    wait (GET, any role); its weight, cap and a party's weight (POST, its admin)."""
+
+    post_roles = ADMIN_ONLY
+
+    @extend_schema(responses={200: dict}, operation_id="get_share")
+    def get(self, request: Request) -> Response:
+        return Response(selectors.share_state(project=self.project).as_json())
+
+    @extend_schema(request=s.ShareIn, responses={200: dict}, operation_id="set_share")
+    def post(self, request: Request) -> Response:
+        serializer = s.ShareIn(data=request.data)  # a body is required (`null` is refused)
+        serializer.is_valid(raise_exception=True)
+        data = serializer.validated_data
+        services.share_set(
+            project=self.project, weight=data.get("weight"), party=data.get("party"),
+            party_weight=data.get("party_weight"),
+            max_concurrent_rollouts=data.get("max_concurrent_rollouts", services.UNCHANGED))
+        return Response(selectors.share_state(project=self.project).as_json())
 
 
 class CreateProjectView(StoreView):

@@ -1,7 +1,7 @@
 """Every write to the store. Keyword-only, typed, one short transaction each."""
 
 from store.services._ledger import Usage
-from store.services._rows import KeyNotLive, require_key_live
+from store.services._rows import KEY_LIVE_SQL, KeyNotLive, LiveKey, require_key_live
 from store.services.attempts import (
     AttemptUpdate,
     attempt_finish,
@@ -21,6 +21,7 @@ from store.services.projects import (
     api_key_create,
     project_create,
     project_first_start,
+    project_quota_set,
 )
 from store.services.resources import (
     resources_add,
@@ -32,6 +33,7 @@ from store.services.rollouts import (
     RolloutSpec,
     attempt_start,
     rollout_claim,
+    rollout_claim_next,
     rollout_dequeue,
     rollout_dequeue_many,
     rollout_enqueue,
@@ -39,6 +41,7 @@ from store.services.rollouts import (
     rollout_start,
     rollout_update,
 )
+from store.services.shares import UNCHANGED, Share, share_set
 from store.services.spans import (
     SpansExported,
     SpansIngested,
@@ -55,7 +58,9 @@ from store.services.workers import worker_update
 __all__ = [
     "AttemptUpdate",
     "Dispatch",
+    "KEY_LIVE_SQL",
     "KeyNotLive",
+    "LiveKey",
     "RolloutSpec",
     "Usage",
     "api_key_authenticate",
@@ -68,12 +73,17 @@ __all__ = [
     "group_create",
     "project_create",
     "project_first_start",
+    "project_quota_set",
     "require_key_live",
     "resources_add",
     "resources_retain",
     "resources_set_keep",
     "resources_update",
     "rollout_claim",
+    "rollout_claim_next",
+    "Share",
+    "share_set",
+    "UNCHANGED",
     "rollout_dequeue",
     "rollout_dispatch_due",
     "rollout_dispatch_set",

@@ -1,57 +1,197 @@
 """Claiming queued rollouts: each claim creates the rollout's next attempt in the same
 transaction. On Postgres it is one statement (select with SKIP LOCKED, or a bounded wait
-for the row of a named claim; insert the attempts; update the rollouts); elsewhere (the
-embedded SQLite default, whose writers are serialized by BEGIN IMMEDIATE) the same steps
-run through the ORM."""
+for the row of a named claim; insert the attempts; update the rollouts; charge the parties'
+usage); elsewhere (the embedded SQLite default, whose writers are serialized by BEGIN
+IMMEDIATE) the same steps run through the ORM.
+
+Which rollout an unnamed claim takes is the store's choice (README "Scheduling"): highest
+priority first, then the project and, inside it, the party (job) with the least decayed usage
+per unit of weight (rules.SHARE_ORDER), then the oldest; projects at their cap of concurrent
+rollouts are skipped (rules.UNDER_CAP). A `Scope` says among what: one project (a runner's
+dequeue), or every project's rollouts delivered by one dispatch (a Celery message, which is
+a ticket for the next rollout due on its queue, not for the rollout it was sent for). The
+statement reaches the rollouts through their parties (few rows): per party, the first
+`limit + CANDIDATE_SLACK` of its queued rollouts in index order (rollout_party_claim_order),
+so concurrent claimers that skip each other's locked rows still find one."""
 
 from __future__ import annotations
 
 import functools
+import re
+import time
+from collections import defaultdict
+from contextlib import nullcontext
+from dataclasses import dataclass
 from datetime import datetime
 
-from django.db import connection
+from django.db import connection, transaction
+from django.db.models import Count
 
 from store import rules
-from store.models import Attempt, Project, Rollout
+from store.models import Attempt, Party, Project, Rollout
 from store.services._bulk import bulk_set
 from store.services._common import attempt_deadline, worker_mark_dequeued
 from store.services._rows import KEY_LIVE_SQL_NAMED, LiveKey, require_key_live, row_instance
 from store.statemachine import AttemptStatus, RolloutConfig, RolloutStatus
+from store.statuses import QUEUED, ROLLOUT_ACTIVE
 
 # How long a named claim waits for its rollout's row lock (see _claim_sql).
 NAMED_CLAIM_LOCK_WAIT_MS = 5000
+# Candidates per party beyond the claim's limit: as many concurrent claimers may skip each
+# other's locked rows in one party before one of them finds none.
+CANDIDATE_SLACK = 16
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Among what an unnamed claim chooses: `project`'s rollouts (a runner's dequeue), or,
+    with `project` None, every project's rollouts delivered by `dispatch` whose timeout is at
+    most `max_timeout` (a Celery ticket: its task's time limits came from the timeout of the
+    rollout it was sent for; None: any)."""
+
+    project: Project | None
+    dispatch: str | None = None
+    max_timeout: float | None = None
 
 
 def claim_queued(
-    project: Project, worker_id: str | None, limit: int, now: datetime,
+    project: Project | Scope, worker_id: str | None, limit: int, now: datetime,
     rollout_id: str | None = None, idle_if_none: bool = True, live_key: LiveKey | None = None,
 ) -> list[tuple[Rollout, Attempt]]:
-    """Claim up to `limit` queued rollouts (or the named one), highest priority then oldest
-    first, and record the dequeue on the worker (busy with the last rollout claimed; idle
-    when none was, unless `idle_if_none` is False). Must run inside a transaction, except
-    an unnamed claim on Postgres: one statement, atomic by itself.
+    """Claim up to `limit` queued rollouts of the scope in the store's order (module doc), or
+    the named one (of `project`, unless its project is at its cap), and record the dequeue on
+    the worker (busy with the last rollout claimed; idle when none was, unless `idle_if_none`
+    is False). Must run inside a transaction, except an unnamed claim on Postgres: one
+    statement, atomic by itself.
 
     With `live_key` (a lean request's key), nothing is claimed or recorded unless that
     key is live; KeyNotLive then. On Postgres the claim statement checks it (a claim that
     finds nothing asks again, to tell an empty queue from a dead key); elsewhere a read
     before the claim does."""
+    scope = as_scope(project)
     if connection.vendor == "postgresql":
-        claimed = _claim_sql(project, worker_id, limit, now, rollout_id, idle_if_none,
-                             live_key)
+        capped = _capped_to_lock(scope)
+        with transaction.atomic() if capped and not connection.in_atomic_block else nullcontext():
+            if capped:
+                _lock_projects(capped)
+                limit = _room(scope, limit)
+            claimed = _claim_sql(scope, worker_id, limit, now, rollout_id, idle_if_none,
+                                 live_key)
         if not claimed:
             require_key_live(live_key)
     else:
         require_key_live(live_key)
-        claimed = _claim_orm(project, worker_id, limit, now, rollout_id)
+        claimed = _claim_orm(scope, worker_id, _room(scope, limit), now, rollout_id)
     claimed.sort(key=lambda pair: (-pair[0].priority, pair[0].enqueue_time))
     if connection.vendor != "postgresql" and worker_id and (claimed or idle_if_none):
-        worker_mark_dequeued(project.pk, worker_id, [a for _, a in claimed], now)
+        project_id = claimed[0][0].project_id if claimed else scope.project.pk
+        worker_mark_dequeued(project_id, worker_id, [a for _, a in claimed], now)
     return claimed
 
 
-def _queued(project: Project, now: datetime, rollout_id: str | None):
-    qs = Rollout.objects.filter(rules.CLAIMABLE.q(now), project=project)
-    return qs.filter(pk=rollout_id) if rollout_id else qs
+# How long a process trusts its last look at whether any project has a cap (a cap set since
+# is exact within this many seconds; until then only claims that do not overlap respect it).
+CAPS_RECHECK_SECONDS = 5.0
+_caps_seen: tuple[float, list[int]] = (-CAPS_RECHECK_SECONDS, [])
+
+
+def _capped_to_lock(scope: Scope) -> list[int]:
+    """The capped projects a claim in this scope must lock first. The claim statement counts
+    a project's live rollouts in its own snapshot, so two claims at once could both see room
+    for one: claims that may take a capped project's rollout take turns on its row, and the
+    claim's snapshot (the next statement's) then sees the turns before it."""
+    global _caps_seen
+    if scope.project is not None:
+        return [scope.project.pk] if scope.project.max_concurrent_rollouts is not None else []
+    seen_at, ids = _caps_seen
+    if time.monotonic() - seen_at >= CAPS_RECHECK_SECONDS:
+        ids = list(Project.objects.filter(max_concurrent_rollouts__isnull=False)
+                   .order_by("pk").values_list("pk", flat=True))
+        _caps_seen = (time.monotonic(), ids)
+    return ids
+
+
+def _room(scope: Scope, limit: int) -> int:
+    """A batch dequeue of a capped project takes at most what its cap leaves (the statement
+    only asks whether the project may have one more; a ticket claims one)."""
+    if scope.project is None or scope.project.max_concurrent_rollouts is None or limit == 1:
+        return limit
+    cap = Project.objects.filter(pk=scope.project.pk).values_list(
+        "max_concurrent_rollouts", flat=True).first()
+    if cap is None:
+        return limit
+    return max(1, min(limit, cap - _live_counts([scope.project.pk]).get(scope.project.pk, 0)))
+
+
+def _lock_projects(ids: list[int]) -> None:
+    # Served by the primary key; in id order (rules.LOCK_ORDER: projects first).
+    list(Project.objects.filter(pk__in=ids).order_by("pk").select_for_update()
+         .values_list("pk", flat=True))
+
+
+def as_scope(project: Project | Scope) -> Scope:
+    return project if isinstance(project, Scope) else Scope(project)
+
+
+def _live_counts(project_ids) -> dict[int, int]:
+    rows = (Rollout.objects.filter(project_id__in=project_ids, status__in=ROLLOUT_ACTIVE)
+            .values("project_id").annotate(n=Count("pk")))
+    return {row["project_id"]: row["n"] for row in rows}
+
+
+def _under_cap(projects: list[Project]) -> set[int]:
+    capped = [p.pk for p in projects if p.max_concurrent_rollouts is not None]
+    live = _live_counts(capped) if capped else {}
+    return {p.pk for p in projects
+            if rules.UNDER_CAP.python(live.get(p.pk, 0), p.max_concurrent_rollouts)}
+
+
+def _parties(scope: Scope, now: datetime) -> list[tuple[Party, float, float]]:
+    """The scope's parties of projects under their cap, each with its decayed usage and its
+    project's (the sum over the project's parties)."""
+    parties = Party.objects.select_related("project")
+    if scope.project is not None:
+        parties = parties.filter(project=scope.project)
+    parties = list(parties)
+    allowed = _under_cap(list({p.project_id: p.project for p in parties}.values()))
+    half_life = rules.usage_half_life()
+    used = {p.pk: rules.DECAYED.python(p.usage, p.usage_at, now, half_life) for p in parties}
+    per_project: dict[int, float] = defaultdict(float)
+    for party in parties:
+        per_project[party.project_id] += used[party.pk]
+    return [(p, used[p.pk], per_project[p.project_id]) for p in parties
+            if p.project_id in allowed]
+
+
+def _candidates(scope: Scope, now: datetime, limit: int) -> list[Rollout]:
+    """The fair order's first rollouts (the statement's `c`, in Python)."""
+    ranked = []
+    for party, usage, project_usage in _parties(scope, now):
+        queued = Rollout.objects.filter(rules.CLAIMABLE.q(now), party=party)
+        if scope.dispatch is not None:
+            queued = queued.filter(dispatch=scope.dispatch)
+        for rollout in queued.order_by("-priority", "enqueue_time")[:limit + CANDIDATE_SLACK]:
+            timeout = (rollout.config or {}).get("timeout_seconds")
+            if not rules.FITS.python(timeout, scope.max_timeout):
+                continue
+            key = rules.SHARE_ORDER.python(rollout.priority, project_usage,
+                                           party.project.share_weight, usage, party.weight,
+                                           rollout.enqueue_time)
+            ranked.append((key, rollout))
+    ranked.sort(key=lambda pair: pair[0])
+    return [rollout for _, rollout in ranked[:limit]]
+
+
+def _charge(rollouts: list[Rollout], now: datetime) -> None:
+    """Each claim adds 1 to its party's decayed usage (the statement's `use`)."""
+    counts: dict[int, int] = defaultdict(int)
+    for rollout in rollouts:
+        if rollout.party_id is not None:
+            counts[rollout.party_id] += 1
+    half_life = rules.usage_half_life()
+    for party in Party.objects.filter(pk__in=list(counts)).order_by("pk"):
+        usage = rules.DECAYED.python(party.usage, party.usage_at, now, half_life)
+        Party.objects.filter(pk=party.pk).update(usage=usage + counts[party.pk], usage_at=now)
 
 
 def new_attempt(rollout: Rollout, worker_id: str | None, now: datetime) -> Attempt:
@@ -78,15 +218,24 @@ def attach(rollouts: list[Rollout], attempts: list[Attempt]) -> None:
     bulk_set(rollouts, ["status", "latest_attempt", "attempt_count", "queue_deadline"])
 
 
-def _claim_orm(project, worker_id, limit, now, rollout_id) -> list[tuple[Rollout, Attempt]]:
-    rollouts = list(
-        _queued(project, now, rollout_id)
-        .select_for_update(skip_locked=True)
-        .order_by("-priority", "enqueue_time")[:limit]
-    )
+def _claim_orm(scope: Project | Scope, worker_id, limit, now, rollout_id
+               ) -> list[tuple[Rollout, Attempt]]:
+    scope = as_scope(scope)
+    if rollout_id:
+        project = scope.project
+        rollouts = list(Rollout.objects.filter(rules.CLAIMABLE.q(now), project=project,
+                                               pk=rollout_id).select_for_update())
+        if rollouts and not _under_cap([project]):
+            rollouts = []
+    else:
+        picked = [r.pk for r in _candidates(scope, now, limit)]
+        locked = {r.pk: r for r in Rollout.objects.filter(rules.CLAIMABLE.q(now), pk__in=picked)
+                  .select_for_update(skip_locked=True)}
+        rollouts = [locked[pk] for pk in picked if pk in locked]
     attempts = [new_attempt(rollout, worker_id, now) for rollout in rollouts]
     if rollouts:
         attach(rollouts, attempts)
+        _charge(rollouts, now)
     return list(zip(rollouts, attempts, strict=True))
 
 
@@ -101,13 +250,14 @@ _DEADLINE_SQL = rules.DEADLINE.sql(
 # (rules.WORKER_AFTER_CLAIM).
 _WORKER_SQL = f"""
     , last AS (
-        SELECT ins.rollout_id, ins.attempt_id FROM ins JOIN picked p ON p.id = ins.rollout_id
+        SELECT ins.rollout_id, ins.attempt_id, p.project_id
+        FROM ins JOIN picked p ON p.id = ins.rollout_id
         ORDER BY p.priority, p.enqueue_time DESC LIMIT 1
     ), worker AS (
         INSERT INTO store_worker (project_id, worker_id, status, heartbeat_stats,
             last_heartbeat_time, last_dequeue_time, last_busy_time, last_idle_time,
             current_rollout_id, current_attempt_id)
-        SELECT %(project)s, %(worker)s,
+        SELECT COALESCE(last.project_id, %(project)s::bigint), %(worker)s,
             {rules.WORKER_AFTER_CLAIM.sql("last.rollout_id IS NOT NULL")}, NULL, NULL,
             %(now)s, CASE WHEN last.rollout_id IS NULL THEN NULL ELSE %(now)s END,
             CASE WHEN last.rollout_id IS NULL THEN %(now)s END,
@@ -124,14 +274,18 @@ _WORKER_SQL = f"""
 """
 
 
-def _claim_sql(project, worker_id, limit, now, rollout_id, idle_if_none, live_key=None
-               ) -> list[tuple[Rollout, Attempt]]:
-    sql, defaults = _claim_statement(bool(rollout_id), bool(worker_id), live_key is not None)
-    params = {**defaults, "project": project.pk, "now": now, "worker": worker_id,
-              "first_report": rules.first_report_seconds(),
+def _claim_sql(scope: Project | Scope, worker_id, limit, now, rollout_id, idle_if_none,
+               live_key=None) -> list[tuple[Rollout, Attempt]]:
+    scope = as_scope(scope)
+    sql, defaults = _claim_statement(bool(rollout_id), bool(worker_id), live_key is not None,
+                                     scope.project is None)
+    params = {**defaults, "project": scope.project and scope.project.pk, "now": now,
+              "worker": worker_id, "first_report": rules.first_report_seconds(),
               "ids": [rules.new_attempt_id() for _ in range(limit)],
               "limit": limit, "rid": rollout_id, "idle_if_none": idle_if_none,
-              "key": live_key and live_key[0], "key_role": live_key and live_key[1]}
+              "key": live_key and live_key[0], "key_role": live_key and live_key[1],
+              "hl": rules.usage_half_life(), "slack": CANDIDATE_SLACK,
+              "dispatch": scope.dispatch, "fit": scope.max_timeout}
     with connection.cursor() as cursor:
         if rollout_id:
             # A named claim waits for a row another writer holds briefly (an algorithm's
@@ -160,12 +314,65 @@ def _claim_sql(project, worker_id, limit, now, rollout_id, idle_if_none, live_ke
     return claimed
 
 
+# The number of a project's rollouts claimed and not finished (served by the index
+# rollout_project_status), and whether the project `j` may have one more (rules.UNDER_CAP).
+_LIVE_SQL = (f"(SELECT count(*) FROM store_rollout x WHERE x.project_id = j.id "
+             f"AND x.status IN ({rules.literal(ROLLOUT_ACTIVE)}))")
+_UNDER_CAP_SQL = rules.UNDER_CAP.sql(_LIVE_SQL, "j.max_concurrent_rollouts")
+_COLUMNS = "id, attempt_count, config, priority, enqueue_time, project_id, party_id"
+
+# The fair choice (module doc): `pa`, the scope's parties of projects under their cap, with
+# their decayed usage; `sh` adds each project's usage; `c` ranks the first claimable rollouts
+# of each party in the store's order; `picked` locks the first `limit` of them still queued
+# (a row another claim took since this statement's snapshot is skipped or, once committed,
+# rechecked by Postgres against the status: the queue deadline only changes with it).
+_FAIR_SQL = f"""
+    pa AS (
+        SELECT pa.id, pa.project_id, pa.weight w, j.share_weight jw,
+            {rules.DECAYED.sql("pa.usage", "pa.usage_at", "%(now)s", "%(hl)s")} u
+        FROM store_party pa JOIN store_project j ON j.id = pa.project_id
+        WHERE {{scope}} AND {_UNDER_CAP_SQL}
+    ), sh AS (SELECT *, sum(u) OVER (PARTITION BY project_id) pu FROM pa
+    ), c AS (
+        SELECT r.id, row_number() OVER (ORDER BY {rules.SHARE_ORDER.sql(
+            "r.priority", "s.pu", "s.jw", "s.u", "s.w", "r.enqueue_time")}) k
+        FROM sh s, LATERAL (SELECT id, priority, enqueue_time FROM store_rollout
+            WHERE party_id = s.id AND {rules.CLAIMABLE.sql("status", "queue_deadline", "%(now)s")}
+            {{only}} ORDER BY priority DESC, enqueue_time LIMIT %(limit)s + %(slack)s) r
+    ), picked AS (
+        SELECT r.* FROM store_rollout r JOIN c ON c.id = r.id
+        WHERE r.status IN ({rules.literal(QUEUED)}) {{live}}
+        ORDER BY c.k LIMIT %(limit)s FOR UPDATE OF r SKIP LOCKED
+    )"""
+
+# A named claim: the rollout, unless its project is at its cap.
+_NAMED_SQL = f"""
+    picked AS (
+        SELECT {_COLUMNS} FROM store_rollout WHERE project_id = %(project)s
+          AND {rules.CLAIMABLE.sql("status", "queue_deadline", "%(now)s")} AND id = %(rid)s
+          AND (SELECT {_UNDER_CAP_SQL} FROM store_project j WHERE j.id = %(project)s) {{live}}
+        FOR UPDATE
+    )"""
+
+# Each claim adds 1 to its party's decayed usage (rules.DECAYED), last (rules.LOCK_ORDER).
+_CHARGE_SQL = f"""
+    , use AS (
+        UPDATE store_party pa SET usage_at = %(now)s,
+            usage = {rules.DECAYED.sql("pa.usage", "pa.usage_at", "%(now)s", "%(hl)s")} + n.n
+        FROM (SELECT party_id, count(*) n FROM picked GROUP BY party_id) n
+        WHERE pa.id = n.party_id
+    )"""
+rules.locks_in_order("project", "rollout", "worker", "party")
+
+
 @functools.cache
-def _claim_statement(only_named: bool, with_worker: bool, key_checked: bool = False
-                     ) -> tuple[str, dict]:
+def _claim_statement(only_named: bool, with_worker: bool, key_checked: bool = False,
+                     ticket: bool = False) -> tuple[str, dict]:
     """The claim statement (its text never changes, so psycopg parses it once) and the
     parameters of the attempt columns that take their model default. With `key_checked`,
-    it claims and records nothing unless the key `%(key)s` is live (`KEY_LIVE_SQL_NAMED`)."""
+    it claims and records nothing unless the key `%(key)s` is live (`KEY_LIVE_SQL_NAMED`).
+    With `ticket`, an unnamed claim chooses among every project's rollouts delivered by
+    `%(dispatch)s` whose timeout fits `%(fit)s` (Scope)."""
     given = {
         "rollout_id": "p.id",
         "attempt_id": rules.ATTEMPT_ID.sql("%(ids)s", "p.n"),
@@ -186,20 +393,22 @@ def _claim_statement(only_named: bool, with_worker: bool, key_checked: bool = Fa
         else:  # every other column takes its model default, so new fields need no edit here
             defaults[f"d_{field.column}"] = field.get_db_prep_save(field.get_default(),
                                                                    connection)
-            values.append(f"%(d_{field.column})s::{field.db_type(connection)}")
-    rollout_columns = ", ".join(f'upd."{f.column}"' for f in Rollout._meta.concrete_fields)
-    only = "AND id = %(rid)s" if only_named else ""
+            db_type = field.db_type(connection).replace("timestamp with time zone", "timestamptz")
+            values.append(f"%(d_{field.column})s::{db_type}")
+    rollout_columns = ", ".join(f"upd.{f.column}" for f in Rollout._meta.concrete_fields)
     live = f"AND {KEY_LIVE_SQL_NAMED}" if key_checked else ""
     worker = _WORKER_SQL.replace("OR %(idle_if_none)s", f"OR %(idle_if_none)s) {live}")
     worker = worker.replace("WHERE last.rollout_id", "WHERE (last.rollout_id")
+    if only_named:
+        picked = _NAMED_SQL.format(live=live)
+    elif ticket:
+        only = (f"AND dispatch = %(dispatch)s AND "
+                f"{rules.FITS.sql('config', '%(fit)s::float8')}")
+        picked = _FAIR_SQL.format(scope="true", only=only, live=live)
+    else:
+        picked = _FAIR_SQL.format(scope="pa.project_id = %(project)s", only="", live=live)
     sql = f"""
-        WITH picked AS (
-            SELECT id, attempt_count, config, priority, enqueue_time FROM store_rollout
-            WHERE project_id = %(project)s
-              AND {rules.CLAIMABLE.sql("status", "queue_deadline", "%(now)s")} {only} {live}
-            ORDER BY priority DESC, enqueue_time LIMIT %(limit)s
-            FOR UPDATE {"" if only_named else "SKIP LOCKED"}
-        ), ins AS (
+        WITH {picked}, ins AS (
             INSERT INTO store_attempt ({", ".join(columns)})
             SELECT {", ".join(values)}
             FROM (SELECT picked.*, row_number() OVER () AS n FROM picked) p
@@ -210,8 +419,16 @@ def _claim_statement(only_named: bool, with_worker: bool, key_checked: bool = Fa
                 attempt_count = ins.sequence_id, queue_deadline = NULL
             FROM ins WHERE r.id = ins.rollout_id
             RETURNING r.*
-        ) {worker if with_worker else ""}
+        ) {worker if with_worker else ""} {_CHARGE_SQL}
         SELECT {rollout_columns}, ins.id, ins.attempt_id, ins.sequence_id, ins.deadline
         FROM upd JOIN ins ON ins.rollout_id = upd.id
     """
-    return sql, defaults
+    return _compact(sql), defaults
+
+
+def _compact(sql: str) -> str:
+    """The text without the spaces SQL does not need (runs of them, and those beside
+    parentheses, commas and the operators = + * /; no literal of ours holds one there), so
+    the claim stays under psycopg's 4 KB parse cache (tests/test_rules.py)."""
+    sql = re.sub(r"\s+", " ", sql)
+    return re.sub(r" ?([(),]) ?| ([=+*/]) ", r"\1\2", sql).strip()

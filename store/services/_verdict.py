@@ -76,10 +76,12 @@ def finish(project: Project, rollout_id: str, attempt_id: str, status: str, now:
     if row is None:
         return None
     width = len(Attempt._meta.concrete_fields)
-    owners = row[width]
+    owners, group_id = row[width], row[width + 1]
     if owners:
         hooks.notify_groups_completed(sorted(set(owners)))  # committed: as on_commit would
-    if hooks.has_hurry_callbacks():  # committed: read the rollout for them if it finished
+    # Committed: the rollout moved to the verdict (terminal); read it for the hurry-only
+    # callbacks that want it (those of grouped rollouts only skip one without a group).
+    if hooks.has_hurry_callbacks(grouped=group_id is not None):
         rollout = Rollout.objects.filter(pk=rollout_id, status__in=ROLLOUT_TERMINAL).first()
         if rollout is not None:
             hooks.call_hurry_callbacks([rollout])
@@ -163,5 +165,5 @@ def _sql(key_checked: bool, failed: bool, with_error: bool) -> str:
         f"%s::varchar, t.n, {cost_sql('t.n')}, %s::timestamptz FROM u, r, "
         f"LATERAL (SELECT {gateway_tokens_sql('u.id')} AS n) t) "
         f"SELECT {_columns(Attempt, 'u')}, (SELECT array_agg(owner) FROM c), "
-        "pg_notify(%s, %s) FROM u"
+        "(SELECT group_id FROM r), pg_notify(%s, %s) FROM u"
     )

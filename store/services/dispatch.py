@@ -66,12 +66,14 @@ def rollout_dispatch_unpublished(*, rollout_ids: Sequence[str]) -> int:
 
 
 def rollout_dispatch_due(
-    *, resend_after_seconds: float, limit: int, now: datetime | None = None
+    *, resend_after_seconds: float, limit: int, now: datetime | None = None,
+    project_id: int | None = None,
 ) -> list[Dispatch]:
     """Queued message-delivered rollouts whose message may be lost: never published (the
-    broker was down), requeued since their last send (a retry), or sent more than
-    `resend_after_seconds` ago and still waiting. Marks them sent now (compare-and-swap under
-    SKIP LOCKED), so concurrent sweeps send each once."""
+    broker was down, or a ticket found its project at its cap), requeued since their last
+    send (a retry), or sent more than `resend_after_seconds` ago and still waiting; of one
+    project with `project_id`. Marks them sent now (compare-and-swap under SKIP LOCKED), so
+    concurrent sweeps send each once."""
     if limit < 1:
         raise InvalidInput("limit", "must be >= 1")
     now = now or timezone.now()
@@ -83,6 +85,7 @@ def rollout_dispatch_due(
             .filter(status__in=QUEUED, dispatch__isnull=False)
             .filter(Q(dispatched_at__isnull=True) | Q(dispatched_at__lte=cutoff)
                     | Q(enqueue_time__gt=F("dispatched_at")))
+            .filter(**({"project_id": project_id} if project_id is not None else {}))
             .order_by(F("dispatched_at").asc(nulls_first=True))
             .values_list("pk", "project_id", "dispatch", "dispatch_target")[:limit]
         )

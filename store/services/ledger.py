@@ -14,8 +14,9 @@ from store.services._ledger import Usage, cost_of
 
 def usage_record_step(*, project: Project, group_id: int | None, usage: Usage,
                       now: datetime | None = None) -> UsageEntry:
-    """A training step's ledger row. Call it inside the transaction that finishes the step
-    (it refuses to run outside one), so the step and its row commit together."""
+    """A training step's ledger row (or a gang member's part of one). Call it inside the
+    transaction that finishes the step, or that checks the member's try (it refuses to run
+    outside one), so the row commits with what justifies it."""
     if not transaction.get_connection().in_atomic_block:
         raise RuntimeError("usage_record_step runs in the step's finishing transaction")
     return UsageEntry.objects.create(

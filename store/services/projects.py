@@ -2,7 +2,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import secrets
+from typing import Any
 
 from django.db import connection, transaction
 from django.utils import timezone
@@ -20,6 +22,32 @@ def project_create(*, name: str, description: str = "") -> Project:
     if Project.objects.filter(name=name).exists():
         raise InvalidInput("name", f"project {name!r} already exists")
     return Project.objects.create(name=name, description=description)
+
+
+# What `project_quota_set` leaves as it is when not given (None means "no cap").
+UNCHANGED: Any = object()
+
+
+def project_quota_set(*, project: Project, gpu_seconds_per_day: float | None = UNCHANGED
+                      ) -> Project:
+    """Set the project's quotas (README "Quotas"); a cap given as None removes it, one not
+    given stays. A cap must be a finite number >= 0 (0: hold every training step)."""
+    changes: dict[str, Any] = {}
+    if gpu_seconds_per_day is not UNCHANGED:
+        changes["gpu_seconds_per_day"] = _cap("gpu_seconds_per_day", gpu_seconds_per_day)
+    if changes:
+        Project.objects.filter(pk=project.pk).update(**changes)
+        project.refresh_from_db(fields=list(changes))
+    return project
+
+
+def _cap(field: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if (not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value)
+            or value < 0):
+        raise InvalidInput(field, f"must be a finite number >= 0 or null (no cap), got {value!r}")
+    return float(value)
 
 
 def _hash(raw: str) -> str:

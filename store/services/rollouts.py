@@ -14,8 +14,8 @@ from django.utils import timezone
 from store import hooks, rules, wakeups
 from store.errors import FieldFrozen, InvalidInput, NotFound
 from store.ids import new_rollout_id
-from store.models import Attempt, Project, ResourceSet, Rollout, RolloutGroup
-from store.services._claim import attach, claim_queued, new_attempt
+from store.models import Attempt, Party, Project, ResourceSet, Rollout, RolloutGroup
+from store.services._claim import Scope, attach, claim_queued, new_attempt
 from store.services._common import (
     get_rollout,
     lock_resource_set_shared,
@@ -134,17 +134,21 @@ def _queue_timeout(spec: RolloutSpec) -> float | None:
 
 
 def rollout_enqueue_many(*, project: Project, specs: Sequence[RolloutSpec],
-                         group: RolloutGroup | None = None) -> list[Rollout]:
+                         group: RolloutGroup | None = None, party: str = "") -> list[Rollout]:
     """Queue rollouts in order. A spec whose idempotency key was seen before returns the
     rollout first created with it (a retried enqueue creates nothing). With `group` (the
-    algorithm's own services; never from a client's request) the new rollouts join it."""
+    algorithm's own services; never from a client's request) the new rollouts join it. The
+    new rollouts belong to the fair share's party `party` of the project (README
+    "Scheduling"; the trainer's: "trainer/job/<pk>"; "" the project's own)."""
     if group is not None and group.project_id != project.pk:
         raise InvalidInput("group", "belongs to another project")
+    if len(party) > Party._meta.get_field("key").max_length:
+        raise InvalidInput("party", "must be at most 200 characters")
     configs = [_validate(spec) for spec in specs]
     for attempt in range(_ID_RETRIES):
         try:
             with transaction.atomic():
-                return _enqueue_once(project, specs, configs, group)
+                return _enqueue_once(project, specs, configs, group, party)
         except IntegrityError:
             # A concurrent enqueue took one of our idempotency keys, or (rarely) an id
             # collided: re-read the keys and draw new ids.
@@ -154,7 +158,8 @@ def rollout_enqueue_many(*, project: Project, specs: Sequence[RolloutSpec],
 
 
 def _enqueue_once(project: Project, specs: Sequence[RolloutSpec],
-                  configs: list[RolloutConfig], group: RolloutGroup | None) -> list[Rollout]:
+                  configs: list[RolloutConfig], group: RolloutGroup | None,
+                  party_key: str) -> list[Rollout]:
     keys = {s.idempotency_key for s in specs if s.idempotency_key}
     existing = {
         r.idempotency_key: r
@@ -164,6 +169,7 @@ def _enqueue_once(project: Project, specs: Sequence[RolloutSpec],
     now = timezone.now()
     result: list[Rollout] = []
     new: list[Rollout] = []
+    party = None
     for index, (spec, config) in enumerate(zip(specs, configs, strict=True)):
         key = spec.idempotency_key
         if key and key in existing:
@@ -174,6 +180,9 @@ def _enqueue_once(project: Project, specs: Sequence[RolloutSpec],
         if key:
             existing[key] = rollout
         rollout.group = group
+        if party is None:  # get_or_create survives a concurrent first enqueue (savepoint)
+            party, _ = Party.objects.get_or_create(project=project, key=party_key)
+        rollout.party = party
         new.append(rollout)
         result.append(rollout)
     Rollout.objects.bulk_create(new)
@@ -223,6 +232,23 @@ def rollout_claim(
         claimed = claim_queued(
             project, worker_id, 1, now, rollout_id=rollout_id, idle_if_none=False
         )
+    return claimed[0] if claimed else None
+
+
+def rollout_claim_next(
+    *, dispatch: str, max_timeout: float | None, worker_id: str
+) -> tuple[Rollout, Attempt] | None:
+    """A message's ticket (README "Scheduling"): claim the rollout due next among every
+    project's queued rollouts delivered by `dispatch` whose timeout is at most `max_timeout`
+    (None: any), in the store's order: priority, then fair share, then age; projects at their
+    cap are skipped. None when none is claimable."""
+    scope = Scope(None, dispatch=dispatch, max_timeout=max_timeout)
+    now = timezone.now()
+    if connection.vendor == "postgresql" and not connection.in_atomic_block:
+        claimed = claim_queued(scope, worker_id, 1, now, idle_if_none=False)
+    else:
+        with transaction.atomic():
+            claimed = claim_queued(scope, worker_id, 1, now, idle_if_none=False)
     return claimed[0] if claimed else None
 
 

@@ -19,4 +19,9 @@ def map_body(ctx, body):  # noqa: ANN001, ANN201 - schemathesis' hook signature
             if (isinstance(value, int | float) and not isinstance(value, bool)
                     and _SHORT < value <= most):
                 body[name] = _SHORT
+        cap = body.get("max_concurrent_rollouts")
+        if isinstance(cap, int) and not isinstance(cap, bool) and 0 <= cap <= 2**31 - 1:
+            # A project capped by one case (set_share) holds every later dequeue of the run
+            # for its whole wait: allowed caps are lifted (null, also allowed) instead.
+            body["max_concurrent_rollouts"] = None
     return body

@@ -9,9 +9,11 @@ import threading
 import httpx
 import openai
 import pytest
+from django.utils import timezone
 
 from store import services
-from store.models import Span
+from store.api.auth import cached_key_lean
+from store.models import ApiKey, Span
 from store.services import RolloutSpec
 from store.tokens import attempt_token
 from trainer import conventions as c
@@ -68,6 +70,30 @@ def test_openai_client_chat_and_attribution_by_path(gateway_server, keyed):
         model="tiny", messages=MESSAGES, max_tokens=4, seed=3, n=2)
     assert [ch.message.content for ch in again.choices] == [
         ch.message.content for ch in reply.choices]
+
+
+def test_a_cached_key_is_refused_once_revoked_and_the_phases_are_timed(gateway_server, keyed):
+    """A key the gateway authenticated is kept in its process's lean cache (no database
+    before the body); the call's first statement checks that it is still live: revoked, the
+    next call is 401, attributed or not, and nothing more is recorded. Server-Timing names
+    each phase of a call."""
+    gateway, base = gateway_server
+    project, key, *_ = keyed
+    rid, aid = started_attempt(project)
+    attributed, plain = client(base, key, rid, aid), client(base, key)
+    raw = attributed.chat.completions.with_raw_response.create(
+        model="tiny", messages=MESSAGES, max_tokens=2)
+    raw.parse()
+    phases = dict(part.strip().split(";dur=") for part in raw.headers["server-timing"].split(","))
+    assert {"auth", "parse", "prepare", "engine", "queue", "decode", "wake", "record", "store",
+            "respond", "gateway"} <= set(phases)
+    plain.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+    assert cached_key_lean(key) is not None  # the gateway runs in this process (a thread)
+    ApiKey.objects.filter(project=project).update(revoked_at=timezone.now())
+    for caller in (attributed, plain):
+        with pytest.raises(openai.AuthenticationError):
+            caller.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+    assert len(llm_spans(rid)) == 1
 
 
 def test_streaming_completions_and_headers_attribution(gateway_server, keyed):

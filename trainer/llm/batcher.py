@@ -45,6 +45,11 @@ class Job:
     error: BaseException | None = None
     started: threading.Event = field(default_factory=threading.Event)  # in a batch
     on_done: Callable[[Job], None] | None = None  # called on the decoding thread
+    # perf_counter times (one clock for every process of the machine): submitted, joined a
+    # batch, finished (the gateway's Server-Timing)
+    submitted: float = field(default_factory=time.perf_counter)
+    joined: float = 0.0
+    finished: float = 0.0
 
 
 class Batcher:
@@ -182,7 +187,9 @@ class Batcher:
                 else:  # cannot merge: decode this one to its end now
                     self._drain(one)
             return started
+        joined = time.perf_counter()
         for job in jobs:
+            job.joined = joined
             job.started.set()
         self._settle(decoding, failures, jobs)
         return decoding if decoding.rows else None
@@ -232,6 +239,7 @@ class Batcher:
     @staticmethod
     def _finish(job: Job, error: BaseException | None) -> None:
         job.error = error
+        job.finished = time.perf_counter()
         job.started.set()
         job.done.set()
         if job.on_done is not None:

@@ -14,11 +14,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import queue
 import re
 import secrets
 import sys
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +34,10 @@ from store.statemachine import ATTEMPT_ENDED, ROLLOUT_TERMINAL
 from trainer import conventions as c
 from trainer.llm.engine import Sequence_
 from trainer.llm.tools import Output
+
+log = logging.getLogger(__name__)
+# Seconds a call waits for its spans to be stored before it fails.
+RECORD_TIMEOUT = 60.0
 
 
 class AttemptFinished(Exception):
@@ -46,8 +53,12 @@ class Attribution:
     resources_id: str | None = None
 
 
-def attribute(*, project: Project, rollout_id: str, attempt_id: str) -> Attribution:
-    row = _attempt_row(project.pk, rollout_id, attempt_id)
+def attribute(*, project: Project, rollout_id: str, attempt_id: str,
+              live_key: store_services.LiveKey | None = None) -> Attribution:
+    """The call's attempt, found open in the project. With `live_key` (a key from the lean
+    cache, store/api/auth.py), the same statement checks that key: KeyNotLive unless it is
+    live."""
+    row = _attempt_row(project.pk, rollout_id, attempt_id, live_key)
     if row is None:
         if not Rollout.objects.filter(project=project, pk=rollout_id).exists():
             raise NotFound("rollout", rollout_id)
@@ -74,27 +85,40 @@ def _serves_latest(metadata: Any) -> bool:
 
 
 @functools.cache
-def _attempt_sql() -> str:
+def _attempt_sql(key_checked: bool = False) -> str:
     """One hand-written SELECT, built once from the models (compiling the equivalent
-    queryset cost more CPU than the rest of a call: store/services/_rows.py does the same)."""
+    queryset cost more CPU than the rest of a call: store/services/_rows.py does the same).
+    `key_checked`: its first column says whether the key (pk, role) is live, and it has a
+    row (the others NULL) when the attempt is not found."""
     a, r = Attempt._meta, Rollout._meta
 
     def col(meta, name: str) -> str:
         return f'"{meta.get_field(name).column}"'
 
-    return (
+    select = (
         f"SELECT a.{col(a, 'status')}, r.{col(r, 'status')}, r.{col(r, 'resources_id')}, "
         f"r.{col(r, 'resources_version')}, r.{col(r, 'metadata')} FROM \"{a.db_table}\" a "
         f"JOIN \"{r.db_table}\" r ON a.{col(a, 'rollout')} = r.{col(r, 'id')} "
         f"WHERE r.{col(r, 'id')} = %s AND r.{col(r, 'project')} = %s "
         f"AND a.{col(a, 'attempt_id')} = %s"
     )
+    if not key_checked:
+        return select
+    return (f"SELECT {store_services.KEY_LIVE_SQL}, x.* FROM (SELECT 1) one "
+            f"LEFT JOIN ({select}) x ON true")
 
 
-def _attempt_row(project_id: int, rollout_id: str, attempt_id: str) -> tuple | None:
+def _attempt_row(project_id: int, rollout_id: str, attempt_id: str,
+                 live_key: store_services.LiveKey | None = None) -> tuple | None:
     with connection.cursor() as cursor:
-        cursor.execute(_attempt_sql(), [rollout_id, project_id, attempt_id])
-        return cursor.fetchone()
+        cursor.execute(_attempt_sql(live_key is not None),
+                       [*(live_key or ()), rollout_id, project_id, attempt_id])
+        row = cursor.fetchone()
+    if live_key is None:
+        return row
+    if not row[0]:
+        raise store_services.KeyNotLive(live_key[0])
+    return None if row[1] is None else row[1:]
 
 
 # A resources version never changes: its llm resource is looked up once per process.
@@ -233,18 +257,26 @@ class Recorder:
     fails is retried call by call, so one bad call does not fail the others."""
 
     def __init__(self) -> None:
-        self._queue: queue.Queue[_Pending | None] = queue.Queue()
+        self._queue: queue.Queue[Pending | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="llm-recorder", daemon=True)
         self._thread.start()
         self.writes = 0
 
-    def record(self, attribution: Attribution, call: Call, timeout: float = 60.0) -> None:
-        pending = _Pending(attribution, spans_of(attribution, call))
-        self._queue.put(pending)
+    def record(self, attribution: Attribution, call: Call,
+               timeout: float = RECORD_TIMEOUT) -> None:
+        pending = self.submit(attribution, call)
         if not pending.done.wait(timeout):
             raise TimeoutError("the store did not record the call in time")
         if pending.error is not None:
             raise pending.error
+
+    def submit(self, attribution: Attribution, call: Call,
+               on_done: Callable[[Pending], None] | None = None) -> Pending:
+        """Queue the call's spans; `on_done(pending)` is called on the recorder's thread once
+        they are stored or failed (`pending.error`)."""
+        pending = Pending(attribution, spans_of(attribution, call), on_done=on_done)
+        self._queue.put(pending)
+        return pending
 
     def close(self) -> None:
         """Record what is queued, then stop (closing the thread's database connection)."""
@@ -265,14 +297,17 @@ class Recorder:
             stop = None in batch
             batch = [p for p in batch if p is not None]
             close_old_connections()
-            by_project: dict[int, list[_Pending]] = {}
+            by_project: dict[int, list[Pending]] = {}
             for pending in batch:
                 by_project.setdefault(pending.attribution.project.pk, []).append(pending)
             for group in by_project.values():
                 self._write(group)
         connections.close_all()
 
-    def _write(self, group: list[_Pending]) -> None:
+    def _write(self, group: list[Pending]) -> None:
+        began = time.perf_counter()
+        for pending in group:
+            pending.began, pending.group = began, len(group)
         try:
             self.writes += 1
             store_services.spans_ingest(project=group[0].attribution.project,
@@ -285,14 +320,27 @@ class Recorder:
             group[0].error = sys.exc_info()[1]
         for pending in group:
             pending.done.set()
+            if pending.on_done is not None:
+                try:
+                    pending.on_done(pending)
+                except Exception:  # e.g. the caller's event loop closed: nobody waits
+                    log.warning("a recorded call's callback failed", exc_info=True)
 
 
 @dataclass(eq=False)
-class _Pending:
+class Pending:
+    """A call's spans on their way to the store."""
+
     attribution: Attribution
     spans: list[dict[str, Any]]
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
+    on_done: Callable[[Pending], None] | None = None
+    # perf_counter times (the gateway's Server-Timing): queued, its write began; and how many
+    # calls that write stored
+    queued: float = field(default_factory=time.perf_counter)
+    began: float = 0.0
+    group: int = 0
 
 
 def _span(attribution: Attribution, call: Call, index: int, choice: Sequence_) -> dict[str, Any]:

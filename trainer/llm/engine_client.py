@@ -82,6 +82,13 @@ class RemoteJob:
     error: BaseException | None = None
     started: threading.Event = field(default_factory=threading.Event)
     on_done: Callable[[RemoteJob], None] | None = None
+    # perf_counter times (batcher.Job's): submitted here; in the engine process, arrived
+    # there, joined a batch, decoded; finished: its end handled here
+    submitted: float = field(default_factory=time.perf_counter)
+    received: float = 0.0
+    joined: float = 0.0
+    decoded: float = 0.0
+    finished: float = 0.0
 
 
 @dataclass(eq=False)
@@ -93,8 +100,9 @@ class _Load:
 
 class EngineProcess:
     def __init__(self, *, window: float = 0.005, max_batch: int = 64, torch_threads: int = 1,
-                 load_timeout: float = 600.0) -> None:
-        self.config = {"window": window, "max_batch": max_batch, "torch_threads": torch_threads}
+                 load_timeout: float = 600.0, switch_interval_ms: float = 0.0) -> None:
+        self.config = {"window": window, "max_batch": max_batch, "torch_threads": torch_threads,
+                       "switch_interval_ms": switch_interval_ms}
         self.load_timeout = load_timeout
         self._context = multiprocessing.get_context("spawn")
         self._lock = threading.RLock()  # RLock: an engine collected under it unloads
@@ -251,11 +259,13 @@ class EngineProcess:
             if seq.on_token is not None:
                 seq.on_token(seq, token, logprob, top)
         elif kind == "done":
-            _, jid, error, final = message
+            _, jid, error, final, *times = message
             with self._lock:
                 job = self._jobs.pop(jid, None)
             if job is None:
                 return
+            if times:
+                job.received, job.joined, job.decoded = times[0]
             for seq, state in zip(job.sequences, final or (), strict=False):
                 (seq.token_ids, seq.logprobs, seq.top, seq.text, seq.finish_reason,
                  seq.logprobs_of) = state

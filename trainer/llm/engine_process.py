@@ -10,7 +10,8 @@ The gateway process starts it (`multiprocessing`, spawn) and talks to it over on
 - `("submit", jid, eid, tenant, [(prompt_ids, params, index, streamed), ...])`: a request,
   decoded by the batcher (batcher.py) once its engine is loaded; answered by `("token", jid,
   position, token, logprob, top, text, finish_reason)` per generated token of a streamed
-  sequence and one `("done", jid, error, [final state of each sequence])`;
+  sequence and one `("done", jid, error, [final state of each sequence], times)` (times:
+  perf_counter when it arrived here, joined a batch and finished, or absent);
 - `("stop",)`.
 Out, messages go in lists (what a decode step produced, one write). When the gateway's end of
 the pipe closes (the gateway died), this process exits.
@@ -21,7 +22,9 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import sys
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -38,6 +41,8 @@ def main(conn: Any, config: dict[str, Any]) -> None:
 
     if config.get("torch_threads"):
         torch.set_num_threads(int(config["torch_threads"]))
+    if config.get("switch_interval_ms"):  # LLM_GATEWAY_SWITCH_INTERVAL_MS
+        sys.setswitchinterval(config["switch_interval_ms"] / 1000)
     try:
         from transformers.utils import logging as hf_logging
 
@@ -77,7 +82,7 @@ class _Serving:
             elif kind == "unload":
                 self.engines.pop(message[1], None)
             elif kind == "submit":
-                self._submit(*message[1:])
+                self._submit(*message[1:], received=time.perf_counter())
             elif kind == "stop":
                 os._exit(0)
 
@@ -97,14 +102,17 @@ class _Serving:
             "shared": engine.shared is not None, "path": engine.path, "device": engine.device}))
         return engine
 
-    def _submit(self, jid: int, eid: int, tenant: object, specs: list) -> None:
+    def _submit(self, jid: int, eid: int, tenant: object, specs: list,
+                received: float = 0.0) -> None:
         loaded = self.engines.get(eid)
         if loaded is None:
             self.out.put(("done", jid, ("LookupError", "this model is no longer loaded"), None))
             return
-        loaded.add_done_callback(lambda future: self._start(jid, future, tenant, specs))
+        loaded.add_done_callback(lambda future: self._start(jid, future, tenant, specs,
+                                                            received))
 
-    def _start(self, jid: int, loaded: Future, tenant: object, specs: list) -> None:
+    def _start(self, jid: int, loaded: Future, tenant: object, specs: list,
+               received: float = 0.0) -> None:
         from trainer.llm.engine import Sequence_
 
         if loaded.exception() is not None:
@@ -128,7 +136,7 @@ class _Serving:
             final = [(s.token_ids, s.logprobs, s.top, s.text, s.finish_reason, s.logprobs_of)
                      for s in sequences]
             out.put(("done", jid, error_of(job.error) if job.error is not None else None,
-                     final))
+                     final, (received, job.joined, job.finished)))
 
         try:
             self.batcher.submit(loaded.result(), sequences, tenant, on_done=on_done)

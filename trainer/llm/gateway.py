@@ -34,9 +34,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from core.metrics import process_metrics
-from store.api.auth import authenticate_key
+from store.api.auth import authenticate_key_lean, cached_key_lean
 from store.errors import NotFound
 from store.models import Project, ResourceVersion
+from store.services import KeyNotLive, LiveKey, require_key_live
 from store.tokens import attempt_token_project
 from trainer.checkpoints import CheckpointError
 from trainer.llm import calls
@@ -49,9 +50,10 @@ from trainer.llm.registry import Registry, Space, UnknownModel
 from trainer.llm.turns import Turns
 
 log = logging.getLogger(__name__)
-# Threads that do a call's database work (authentication, attribution, recording; each with
-# its connection; none waits for the engine): the gateway's share of Postgres connections
-# (README "Deploy", the budget).
+# Threads that do a call's database work (authentication of a key not cached, attribution;
+# each with its connection; none waits for the engine or the store; spans are written by the
+# recorder's thread): the gateway's share of Postgres connections (README "Deploy", the
+# budget).
 DB_THREADS = 64
 
 
@@ -90,6 +92,15 @@ class Gateway:
         # Database work runs on these threads (each keeps its connection); `close` closes them.
         self._threads = threads
         self._db = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="llm-gateway")
+        self._mailbox_: _Mailbox | None = None  # wakes calls (engine and recorder threads)
+
+    def _mailbox(self) -> _Mailbox:
+        """The running event loop's mailbox (a new loop, a new one: tests restart servers)."""
+        loop = asyncio.get_running_loop()
+        mailbox = self._mailbox_
+        if mailbox is None or mailbox.loop is not loop:
+            mailbox = self._mailbox_ = _Mailbox(loop)
+        return mailbox
 
     async def _in_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._db, fn, *args)
@@ -176,24 +187,38 @@ class Gateway:
         return await self._complete(request, "completion")
 
     async def _complete(self, request: Request, kind: str) -> Response:
-        started = time.time()
+        started, clock = time.time(), time.perf_counter()
+        marks = [clock]  # after each phase (Server-Timing)
         admitted: tuple[int | None, int] = (None, 0)
         try:
-            # The key first: nothing of an unauthenticated body is read or parsed.
-            project = await self._in_thread(self._authorize, request,
-                                            *_attributed_ids(request))
+            # The key first: nothing of an unauthenticated body is read or parsed. A key this
+            # process authenticated within the minute needs no database here: its liveness is
+            # checked by the call's first statement (`_prepare`).
+            lean = cached_key_lean(_bearer(request))
+            if lean is None:
+                project = await self._in_thread(self._authorize, request,
+                                                *_attributed_ids(request))
+            else:
+                project = lean.project
+            live_key = lean.live_check if lean is not None else None
+            marks.append(time.perf_counter())
             body = _json(await self._body(request))
             parsed = parse(body, kind, max_tokens_cap=self.max_tokens)
             self._admit(project.pk, parsed.n)
             admitted = (project.pk, parsed.n)
+            marks.append(time.perf_counter())
             if parsed.stream:
-                prepared = await self._in_thread(self._prepare, request, parsed, project)
+                prepared = await self._in_thread(self._prepare, request, parsed, project,
+                                                 live_key)
                 chunks = self._stream(prepared, started, admitted)
                 admitted = (None, 0)  # the stream's work releases it when it ends
                 return StreamingResponse(chunks, media_type="text/event-stream")
-            prepared = await self._in_thread(self._prepare, request, parsed, project)
+            prepared = await self._in_thread(self._prepare, request, parsed, project, live_key)
+            marks.append(time.perf_counter())
             await self._generate(prepared)
-            await self._in_thread(self._record, prepared, started)
+            marks.append(time.perf_counter())
+            await self._record(prepared, started)
+            marks.append(time.perf_counter())
         except BadRequest as exc:
             return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
         finally:
@@ -202,11 +227,8 @@ class Gateway:
                         prompt_ids=prepared.prompt_ids, choices=prepared.choices,
                         text_of=prepared.text_of,
                         outputs={s.index: prepared.output(s) for s in prepared.choices})
-        # What the call spent waiting for and in the engine, and in the gateway itself.
-        total = (time.time() - started) * 1000
-        engine = prepared.engine_seconds * 1000
-        timing = f"engine;dur={engine:.2f}, gateway;dur={total - engine:.2f}"
-        return JSONResponse(body, headers={"Server-Timing": timing})
+        marks.append(time.perf_counter())
+        return JSONResponse(body, headers={"Server-Timing": _server_timing(marks, prepared)})
 
     async def _body(self, request: Request) -> bytes:
         """The body, at most max_body_bytes, within body_timeout (else 413 / 408)."""
@@ -229,41 +251,62 @@ class Gateway:
     # --- the steps of a call (in worker threads: they touch the database) --------------------
     def _authorize(self, request: Request, rollout_id: str | None = None,
                    attempt_id: str | None = None) -> Project:
+        """The caller's project, the key read and compared in the database (and kept in the
+        lean cache for the calls that follow, `_complete`)."""
         close_old_connections()
-        header = request.headers.get("authorization", "")
-        scheme, _, raw = header.partition(" ")
-        if scheme.lower() != "bearer" or not raw.strip():
+        raw = _bearer(request)
+        if not raw:
             raise BadRequest("missing API key: send 'Authorization: Bearer KEY'", status=401,
                              code="invalid_api_key", kind="authentication_error")
-        raw = raw.strip()
         if rollout_id and attempt_id:
             project_id = attempt_token_project(raw, rollout_id=rollout_id, attempt_id=attempt_id)
             if project_id is not None:
                 project = Project.objects.filter(pk=project_id).first()
                 if project is not None:
                     return project
-        key = authenticate_key(raw)
+        key = authenticate_key_lean(raw, cached=False)
         if key is None:
             raise BadRequest("invalid or revoked API key", status=401, code="invalid_api_key",
                              kind="authentication_error")
         return key.project
 
-    def _prepare(self, request: Request, parsed: Parsed,
-                 project: Project | None = None) -> _Prepared:
+    def _prepare(self, request: Request, parsed: Parsed, project: Project | None = None,
+                 live_key: LiveKey | None = None) -> _Prepared:
+        """`live_key`: the project is a cached key's (`_complete`), whose liveness this
+        checks in its first statement; a key found not live (revoked, or its role changed)
+        is authenticated in full here, as a key not cached is."""
         rollout_id, attempt_id = _attributed_ids(request)
         if bool(rollout_id) != bool(attempt_id):
             raise BadRequest("attribution needs both a rollout id and an attempt id")
+        if live_key is not None:
+            close_old_connections()
         if project is None:
             project = self._authorize(request, rollout_id, attempt_id)
         attribution = None
-        if rollout_id:
-            try:
-                attribution = calls.attribute(project=project, rollout_id=rollout_id,
-                                              attempt_id=attempt_id)
-            except NotFound as exc:
-                raise BadRequest(str(exc), status=404, code="not_found") from None
-            except calls.AttemptFinished as exc:
-                raise BadRequest(str(exc), status=409, code="attempt_finished") from None
+        try:
+            if rollout_id:
+                attribution = self._attribute(project, rollout_id, attempt_id, live_key)
+            elif live_key is not None:
+                require_key_live(live_key)
+        except KeyNotLive:
+            project = self._authorize(request, rollout_id, attempt_id)
+            attribution = (self._attribute(project, rollout_id, attempt_id, None)
+                           if rollout_id else None)
+        return self._prepare_attributed(request, parsed, project, attribution)
+
+    @staticmethod
+    def _attribute(project: Project, rollout_id: str, attempt_id: str,
+                   live_key: LiveKey | None) -> calls.Attribution:
+        try:
+            return calls.attribute(project=project, rollout_id=rollout_id,
+                                   attempt_id=attempt_id, live_key=live_key)
+        except NotFound as exc:
+            raise BadRequest(str(exc), status=404, code="not_found") from None
+        except calls.AttemptFinished as exc:
+            raise BadRequest(str(exc), status=409, code="attempt_finished") from None
+
+    def _prepare_attributed(self, request: Request, parsed: Parsed, project: Project,
+                            attribution: calls.Attribution | None) -> _Prepared:
         key = request.headers.get("idempotency-key") or request.headers.get("x-request-id")
         prepared = _Prepared(parsed, project, attribution, key)
         if key and attribution is not None:
@@ -348,16 +391,17 @@ class Gateway:
                     self.upstream_loras.release(prepared.lease)
             prepared.engine_seconds = time.perf_counter() - began
             return
-        loop = asyncio.get_running_loop()
-        finished = loop.create_future()
+        mailbox = self._mailbox()
+        finished = mailbox.loop.create_future()
 
         def wake(job) -> None:  # on the batcher's thread
-            loop.call_soon_threadsafe(lambda: finished.done() or finished.set_result(None))
+            mailbox.post(_settle, finished, None)
 
         job = self.batcher.submit(prepared.engine, prepared.choices, tenant=prepared.project.pk,
                                   on_done=wake)
         await finished
         prepared.engine_seconds = time.perf_counter() - began
+        prepared.job = job
         if job.error is not None:
             raise job.error
 
@@ -365,7 +409,7 @@ class Gateway:
                                    admitted: tuple[int, int]) -> None:
         try:
             await self._generate(prepared)
-            await self._in_thread(self._record, prepared, started)
+            await self._record(prepared, started)
         finally:
             self._release(*admitted)
 
@@ -391,11 +435,13 @@ class Gateway:
             else:
                 self._in_flight.pop(project_id, None)
 
-    def _record(self, prepared: _Prepared, started: float) -> None:
+    async def _record(self, prepared: _Prepared, started: float) -> None:
+        """The call's spans stored before it is answered: built here, written with the calls
+        that finish meanwhile by the recorder's thread (group commit), which wakes this
+        coroutine (no thread waits for the store)."""
         record_completion(model=prepared.model_name, prompt_tokens=len(prepared.prompt_ids),
                           completion_tokens=sum(len(s.token_ids) for s in prepared.choices),
                           seconds=time.time() - started)
-        close_old_connections()
         if prepared.attribution is None:
             return
         outputs = {s.index: prepared.output(s) for s in prepared.choices}
@@ -413,12 +459,19 @@ class Gateway:
             response_id=prepared.rid, idempotency_key=prepared.key, token_text=prepared.text_of,
             request_sha256=prepared.request_sha256, outputs=outputs,
             retokenized=None if chained is None else not chained)
-        self.recorder.record(prepared.attribution, call)
+        mailbox = self._mailbox()
+        stored = mailbox.loop.create_future()
+
+        def wake(pending: calls.Pending) -> None:  # on the recorder's thread
+            mailbox.post(_settle, stored, pending.error)
+
+        prepared.pending = self.recorder.submit(prepared.attribution, call, on_done=wake)
+        await asyncio.wait_for(stored, calls.RECORD_TIMEOUT)
 
     def _stream(self, prepared: _Prepared, started: float, admitted: tuple[int, int]):
         """Start the call's work now (whether or not the response is ever iterated: it is
         recorded and its admission released in any case) and return the chunks to send."""
-        loop = asyncio.get_running_loop()
+        mailbox = self._mailbox()
         events: asyncio.Queue = asyncio.Queue()
         parsed, created = prepared.parsed, int(started)
         holdback = max((len(s) for s in parsed.params.stop), default=1) - 1
@@ -449,7 +502,7 @@ class Gateway:
             if seq.done:  # its last chunk goes out once the call is recorded
                 finals.append(event)
             else:
-                loop.call_soon_threadsafe(events.put_nowait, event)
+                mailbox.post(events.put_nowait, event)
 
         for seq in prepared.choices:
             seq.on_token = on_token
@@ -595,6 +648,33 @@ class Gateway:
             connections.close_all()
 
 
+class _Mailbox:
+    """Work that other threads (the engine's reader or batcher, the recorder) hand to the
+    event loop: what is posted while a run is pending joins it, so a decode step that ends
+    16 calls, or streams 64 tokens, wakes the loop once, not once each."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._items: list[tuple[Any, tuple]] = []
+        self._lock = threading.Lock()
+
+    def post(self, fn, *args) -> None:
+        with self._lock:
+            self._items.append((fn, args))
+            if len(self._items) > 1:  # a run is pending: it takes this too
+                return
+        self.loop.call_soon_threadsafe(self._run)
+
+    def _run(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for fn, args in items:
+            try:
+                fn(*args)
+            except Exception:  # one caller's failure is not the others'
+                log.exception("the gateway's event loop failed to run %s", fn)
+
+
 class _Prepared:
     """One call on its way: who asked, what for, and (once generated) what it got."""
 
@@ -611,6 +691,8 @@ class _Prepared:
         self.request_sha256: str | None = None
         self.outputs: dict[int, llm_tools.Output] = {}  # an upstream's answers, as it gave them
         self.lease = None  # upstream mode: the LoRA adapter serving it (upstream_lora.Lease)
+        self.job = None  # the engine's request, once generated (its times: Server-Timing)
+        self.pending: calls.Pending | None = None  # its spans on their way to the store
 
     def output(self, seq: Sequence_) -> llm_tools.Output:
         """The choice as the client gets it: tool calls parsed from its text (the same each
@@ -692,6 +774,51 @@ def _vocab_size(engine: Engine) -> int:
 
 def _longest_token(engine: Engine) -> int:
     return _facts(engine)[1]
+
+
+# Server-Timing's phases of a call, in order (README "The model gateway": what each is).
+_PHASES = ("auth", "parse", "prepare", "engine", "record", "respond")
+
+
+def _server_timing(marks: list[float], prepared: _Prepared) -> str:
+    """What the call spent in each phase (ms), the engine's share split where it is known,
+    and `gateway`: the whole call less the engine's (waiting for and in the engine)."""
+    parts = {name: (b - a) * 1000 for name, a, b in zip(_PHASES, marks, marks[1:],
+                                                           strict=False)}
+    job, woken = prepared.job, marks[4] if len(marks) > 4 else marks[-1]
+    if job is not None and job.joined:
+        received = getattr(job, "received", 0.0)
+        decoded = getattr(job, "decoded", 0.0) or job.finished
+        if received:  # the engine process: the handoff there, then its queue
+            parts["handoff"] = (received - job.submitted) * 1000
+            parts["queue"] = (job.joined - received) * 1000
+        else:
+            parts["queue"] = (job.joined - job.submitted) * 1000
+        parts["decode"] = (decoded - job.joined) * 1000
+        parts["wake"] = (woken - decoded) * 1000
+    pending = prepared.pending
+    if pending is not None and pending.began and len(marks) > 5:
+        # the recorder's queue (the write before), then the group's write and the wakeup
+        parts["store_queue"] = (pending.began - pending.queued) * 1000
+        parts["store"] = (marks[5] - pending.began) * 1000
+        parts["store_group"] = pending.group
+    total = (marks[-1] - marks[0]) * 1000
+    parts["gateway"] = total - parts.get("engine", 0.0)
+    return ", ".join(f"{name};dur={value:.2f}" for name, value in parts.items())
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if not future.done():
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(None)
+
+
+def _bearer(request: Request) -> str:
+    """The key of `Authorization: Bearer KEY`, or "" when there is none."""
+    scheme, _, raw = request.headers.get("authorization", "").partition(" ")
+    return raw.strip() if scheme.lower() == "bearer" else ""
 
 
 def _attributed_ids(request: Request) -> tuple[str | None, str | None]:

@@ -39,7 +39,8 @@ def build_gateway(*, models: list[str] | None = None, upstream_url: str | None =
     batcher: Batcher | EngineProcess
     if engine_process and not upstream:
         batcher = EngineProcess(window=window, max_batch=max_batch,
-                                torch_threads=settings.LLM_GATEWAY_TORCH_THREADS)
+                                torch_threads=settings.LLM_GATEWAY_TORCH_THREADS,
+                                switch_interval_ms=settings.LLM_GATEWAY_SWITCH_INTERVAL_MS)
         make_engine = batcher.engine
     else:
         batcher, make_engine = Batcher(window=window, max_batch=max_batch), None

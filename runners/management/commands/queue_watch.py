@@ -5,6 +5,7 @@ from core.console import progress_stream
 from runners import selectors
 from runners.held_slots import held_slots
 from runners.management.commands._progress import follow, project_named, summary
+from store import selectors as store_selectors
 
 
 class Command(BaseCommand):
@@ -31,6 +32,12 @@ class Command(BaseCommand):
             self.stdout.write(line)
             if state.load is not None:
                 self.stdout.write(f"  load: {state.load.describe()}")
+        share = store_selectors.share_state(project=project)  # README "Scheduling"
+        self.stdout.write(share.describe())
+        for party in share.parties:
+            self.stdout.write(f"  party {party.key or '(project)'!s}: weight {party.weight:g}, "
+                              f"usage {party.usage:.1f}, {party.live} claimed, "
+                              f"{party.queued} queued")
         for line in control.waiting_lines(project.pk):  # other apps' (training steps)
             self.stdout.write(line)
         for slot in held_slots():

@@ -24,7 +24,12 @@ class Command(BaseCommand):
         parser.add_argument("--upstream-key", default=None, help="API key sent to --upstream")
 
     def handle(self, *args, **options) -> None:
+        import sys
+
         import uvicorn
+
+        if settings.LLM_GATEWAY_SWITCH_INTERVAL_MS:  # this process's threads hand over sooner
+            sys.setswitchinterval(settings.LLM_GATEWAY_SWITCH_INTERVAL_MS / 1000)
 
         try:
             gateway = build_gateway(models=options["model"], upstream_url=options["upstream"],

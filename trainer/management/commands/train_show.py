@@ -46,6 +46,7 @@ class Command(BaseCommand):
         self.stdout.write(f"cost: job {selectors.job_usage(job=job).describe()}; project "
                           f"{job.project.name} "
                           f"{store_selectors.usage_totals(project=job.project).describe()}")
+        self.stdout.write(selectors.job_share(job=job).describe())  # README "Scheduling"
         if job.error:
             self.stdout.write(self.style.ERROR(job.error))
         if job.status == "failed":  # scripts see it: a failed job exits non-zero
