@@ -1,15 +1,20 @@
 """Asynchronous against synchronous training on a long-tailed agent. Prints figures; asserts
 nothing.
 
-    .venv/bin/python bench/async_bench.py [--steps 12] [--bound 2] [--concurrency 64]
-        [--median 0.5] [--sigma 1.2] [--consume groups|step]
+    .venv/bin/python bench/async_bench.py [--example cipher|llm] [--steps 12] [--bound 2]
+        [--concurrency 64] [--median 0.5] [--sigma 1.2] [--consume groups|step] [--spare 8]
 
-The same cipher-MLP GRPO job (the example's config, `--steps` training steps, validation every
-4 and after the last update) runs twice in this process, `max_staleness=0` then
-`max_staleness=--bound` (consuming by `--consume`, default groups), with an agent whose
-episodes sleep a lognormal time drawn from the rollout's seed (`--median` seconds, `--sigma`:
-p99 / p50 = e^(2.33 sigma), 16x at 1.2) before decoding: what is measured is the scheduling,
-not the agent. Embedded default (SQLite in a temporary LIGHTNING_DATA_DIR, in-process workers:
+The same job runs twice in this process: `--example cipher` (the default), the cipher-MLP
+GRPO job, or `--example llm`, the LLM example (examples/llm_cipher: a tiny GPT-2 trained with
+grpo_lm, every episode a real call through the model gateway, which runs in this process;
+embedded default only), each with the example's config, `--steps` training steps (default
+12 and 20), validation every 4 and after the last update, `max_staleness=0` then
+`max_staleness=--bound` (consuming by `--consume`, default groups, with `--spare` spare
+groups, default the job's: half a step's groups), with an agent whose episodes sleep a
+lognormal time drawn from the rollout's seed (`--median` seconds, `--sigma`: p99 / p50 =
+e^(2.33 sigma), 16x at 1.2) before decoding (or calling the model): what is measured is the
+scheduling, not the agent.
+Embedded default (SQLite in a temporary LIGHTNING_DATA_DIR, in-process workers:
 `--concurrency` rollout threads, one training thread) unless DATABASE_URL and CELERY_BROKER_URL
 are set; then the deployment's database and broker with worker processes started here (`celery
 worker -Q rollouts -c --concurrency` and `-Q training -c 1`).
@@ -30,11 +35,13 @@ import math
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
+from datetime import datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,11 +66,30 @@ def long_tail_agent(task, resources) -> None:
     cipher_agent(task, resources)
 
 
+def long_tail_llm_agent(task, llm) -> float:
+    """The LLM example's agent (examples/llm_cipher: a real call through the gateway) after a
+    heavy-tailed sleep."""
+    from examples.llm_cipher.agent import recall_agent
+
+    time.sleep(episode_seconds(int(task["seed"])))
+    return recall_agent(task, llm)
+
+
+# --example: (the job spec's module, the long-tailed agent, default steps, validation every)
+EXAMPLES = {
+    "cipher": ("examples.cipher", "bench.async_bench.long_tail_agent", 12, 4),
+    "llm": ("examples.llm_cipher", "bench.async_bench.long_tail_llm_agent", 20, 4),
+}
+
+
 def _setup(distributed: bool) -> None:
     if not distributed:
         for name in ("DATABASE_URL", "CELERY_BROKER_URL"):
             os.environ.pop(name, None)
         os.environ["LIGHTNING_DATA_DIR"] = tempfile.mkdtemp(prefix="async-bench-")
+    # the LLM example's warm-started model is built once, outside the timed runs, and kept
+    os.environ.setdefault("LIGHTNING_MODELS_DIR",
+                          str(Path(tempfile.gettempdir()) / "async-bench-models"))
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "lightning_site.settings")
     os.environ.setdefault("LOG_LEVEL", "WARNING")
     import django
@@ -74,18 +100,23 @@ def _setup(distributed: bool) -> None:
     call_command("migrate", verbosity=0)
 
 
-def _create(steps: int, bound: int, consume: str = "groups") -> int:
-    from examples.cipher import job_spec
+def _create(example: str, steps: int, bound: int, consume: str = "groups",
+            spare: int | None = None) -> int:
+    import importlib
+
     from store import services as store_services
     from trainer import services
 
-    spec = job_spec(seed=0, steps=steps)
-    spec["config"].update(max_staleness=bound, val_every=4)
+    module, agent, _, val_every = EXAMPLES[example]
+    spec = importlib.import_module(module).job_spec(seed=0, steps=steps)
+    spec["config"].update(max_staleness=bound, val_every=val_every)
     if bound:
         spec["config"]["consume"] = consume
+        if consume == "groups" and spare is not None:
+            spec["config"]["spare_groups"] = spare
     project = store_services.project_create(name=f"async-bench-{uuid.uuid4().hex[:8]}")
     return services.job_create(
-        project=project, agent="bench.async_bench.long_tail_agent", algorithm="grpo",
+        project=project, agent=agent, algorithm=spec["algorithm"],
         config=spec["config"], train_dataset=spec["train_dataset"],
         val_dataset=spec["val_dataset"],
     ).pk
@@ -128,13 +159,34 @@ def _report(job_id: int, wall: float, slots: int) -> dict:
           f"episodes, {slots} slots; episode sleep p50 {p50:.2f}s p99 {p99:.2f}s = "
           f"{p99 / p50:.1f}x)")
     print(f"{tag} training worker busy {trained / wall:.1%} ({trained:.1f}s training)")
-    print(f"{tag} staleness of samples used: max {seen}, re-planned or left rollouts "
-          f"{replanned}" + (f", groups trained {groups} of which planned by another step "
-                            f"{borrowed}" if groups else ""))
+    print(f"{tag} staleness of samples used: max {seen}, rollouts planned again (past the "
+          f"bound) {replanned}" + (f", groups trained {groups} of which planned by another step "
+                            f"{borrowed}" if groups else "")
+          + (f", spare groups {job.config.get('spare_groups')} (None: half a step's), left "
+             f"untrained at the end {job.surplus_groups}" if groups else ""))
+    waits = _waits(steps)
+    print(f"{tag} wait for what a step trains on once its turn came (ready - max(previous "
+          f"step done, planned)): step 0 {waits[0]:.1f}s, steps 1-{len(steps) - 2} median "
+          f"{statistics.median(waits[1:-1]):.1f}s, last training step {waits[-2]:.1f}s, "
+          f"final evaluation {waits[-1]:.1f}s")
     rewards = "  ".join(f"{s.n}:{s.metrics['val_reward']:.3f}@v{s.resources_version}"
                         for s in steps if "val_reward" in s.metrics)
     print(f"{tag} validation reward per step (step:reward@version) {rewards}")
     return {"wall": wall, "seen": seen, "reward": steps[-1].metrics.get("val_reward", 0.0)}
+
+
+def _waits(steps: list) -> list[float]:
+    """Per step, seconds from when it could start (the previous step done, or its planning if
+    later; step 0: its planning) to ready: the wait for its groups and validation."""
+    def at(step, key):
+        return datetime.fromisoformat(step.timings[key])
+
+    waits = []
+    for n, step in enumerate(steps):
+        start = at(step, "planned") if n == 0 else max(at(steps[n - 1], "done"),
+                                                       at(step, "planned"))
+        waits.append((at(step, "ready") - start).total_seconds())
+    return waits
 
 
 def _workers(slots: int) -> list[subprocess.Popen]:
@@ -153,15 +205,20 @@ def _workers(slots: int) -> list[subprocess.Popen]:
     return processes
 
 
-def main(steps: int, bound: int, slots: int, consume: str = "groups") -> None:
+def main(example: str, steps: int, bound: int, slots: int, consume: str = "groups",
+         spare: int | None = None) -> None:
     distributed = bool(os.environ.get("DATABASE_URL") and os.environ.get("CELERY_BROKER_URL"))
+    if distributed and example == "llm":
+        raise SystemExit("--example llm runs on the embedded default only (its gateway runs "
+                         "in this process): unset DATABASE_URL or CELERY_BROKER_URL")
     _setup(distributed)
-    print(f"async bench: cipher MLP, GRPO, {steps} steps, "
+    what = "cipher MLP, GRPO" if example == "cipher" else "LLM example (GPT-2 tiny), grpo_lm"
+    print(f"async bench: {what}, {steps} steps, "
           f"{'distributed' if distributed else 'embedded default'}, {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.1f}")
     results = {}
     for s in (0, bound):
-        job_id = _create(steps, s, consume)
+        job_id = _create(example, steps, s, consume, spare)
         if distributed:
             workers = _workers(slots)
             try:
@@ -171,9 +228,15 @@ def main(steps: int, bound: int, slots: int, consume: str = "groups") -> None:
                     os.killpg(process.pid, signal.SIGTERM)
                     process.wait(timeout=60)
         else:
-            from core.embedded import embedded_workers
+            from contextlib import ExitStack
 
-            with embedded_workers(concurrency={"rollouts": slots}):
+            from core.embedded import embedded_workers
+            from trainer.llm.embedded import embedded_gateway
+
+            with ExitStack() as stack:
+                if example == "llm":
+                    stack.enter_context(embedded_gateway())
+                stack.enter_context(embedded_workers(concurrency={"rollouts": slots}))
                 wall = _run(job_id)
         results[s] = _report(job_id, wall, slots)
     sync, fast = results[0], results[bound]
@@ -183,15 +246,19 @@ def main(steps: int, bound: int, slots: int, consume: str = "groups") -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--example", choices=sorted(EXAMPLES), default="cipher")
+    parser.add_argument("--steps", type=int, help="default: 12 (cipher), 20 (llm)")
     parser.add_argument("--bound", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=64, help="rollout slots")
     parser.add_argument("--median", type=float, default=MEDIAN)
     parser.add_argument("--sigma", type=float, default=SIGMA)
     parser.add_argument("--consume", choices=["groups", "step"], default="groups",
                         help="the async job's rule (README: what a step trains on)")
+    parser.add_argument("--spare", type=int,
+                        help="the async job's spare_groups (default: the job's default)")
     args = parser.parse_args()
     os.environ["ASYNC_BENCH_MEDIAN"], os.environ["ASYNC_BENCH_SIGMA"] = (
         str(args.median), str(args.sigma))
     MEDIAN, SIGMA = args.median, args.sigma
-    main(args.steps, args.bound, args.concurrency, args.consume)
+    main(args.example, args.steps or EXAMPLES[args.example][2], args.bound, args.concurrency,
+         args.consume, args.spare)

@@ -46,12 +46,15 @@ def trained_ids(job: TrainingJob) -> list[str]:
 
 def assert_none_dropped(job: TrainingJob) -> None:
     """Every train rollout the job planned was trained on by exactly one step, or it was
-    planned again (its input in a later round of the same step) or left in its step's last
-    round when the last training step was done, and counted."""
+    planned again (its input in a later round of the same step, counted on the step) or left
+    in its step's last round when the last training step was done (counted on the job as
+    surplus: the spare groups' worth)."""
     ids = trained_ids(job)
     assert len(ids) == len(set(ids))
     untrained = selectors.job_rollouts(job=job).filter(mode="train").exclude(pk__in=ids)
-    assert untrained.count() == sum(s.stale_rollouts for s in job.steps.all())
+    job.refresh_from_db()
+    assert untrained.count() == (sum(s.stale_rollouts for s in job.steps.all())
+                                 + job.surplus_rollouts)
     for rollout in untrained.select_related("group"):
         step = job.steps.get(n=rollout.metadata["trainer.step"])
         later = Rollout.objects.filter(group__key__in=step.group_keys(), mode="train",
@@ -68,7 +71,8 @@ def finish(job: TrainingJob, claimed) -> None:
 
 def test_a_slow_group_does_not_hold_its_step_a_later_step_trains_on_it(monkeypatch):
     sent = capture_sends(monkeypatch)
-    job = services.job_start(job_id=make_job(steps=4, max_staleness=2).pk)
+    # no spare groups: the pool holds only the steps' own (test_trainer_async_spare.py)
+    job = services.job_start(job_id=make_job(steps=4, max_staleness=2, spare_groups=0).pk)
     step0 = job.steps.get(n=0)
     slow = store_services.rollout_dequeue(project=job.project, worker_id="slow")
     assert slow is not None and slow[0].group_id == step0.group_id
@@ -101,7 +105,7 @@ def test_a_slow_group_does_not_hold_its_step_a_later_step_trains_on_it(monkeypat
 
 def test_a_group_past_the_bound_is_planned_again_counted_and_never_trained(monkeypatch):
     sent = capture_sends(monkeypatch)
-    job = services.job_start(job_id=make_job(steps=4, max_staleness=1).pk)
+    job = services.job_start(job_id=make_job(steps=4, max_staleness=1, spare_groups=0).pk)
     step0 = job.steps.get(n=0)
     slow = store_services.rollout_dequeue(project=job.project, worker_id="slow")
     assert slow is not None and slow[0].group_id == step0.group_id

@@ -8,8 +8,9 @@ import pytest
 from examples.cipher import job_spec
 from store import services as store_services
 from store.models import ResourceVersion, Rollout
+from store.statemachine import ROLLOUT_TERMINAL
 from tests.celery_fixtures import use_broker, wait_until
-from trainer import services
+from trainer import selectors, services
 from trainer.models import JobStatus, StepStatus, TrainingJob
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
@@ -105,7 +106,8 @@ def test_an_async_job_whose_training_worker_is_killed_loses_nothing(
     trainer = celery_workers(queues=["training"], broker_url=rabbitmq_url, concurrency=1, env=env)
     with use_broker(rabbitmq_url):
         job = make_job(steps=3, algorithm="tests.trainer_algorithms.BlockOnceGRPO",
-                       block_marker=str(marker), step_lease_seconds=2, max_staleness=1)
+                       block_marker=str(marker), step_lease_seconds=2, max_staleness=1,
+                       spare_groups=1)
         job = services.job_start(job_id=job.pk)
         wait_until(marker.exists, timeout=120, message="step 0 never reached its update")
         trainer.kill()  # SIGKILL mid-step, with step 0 claimed and step 1's rollouts running
@@ -127,3 +129,8 @@ def test_an_async_job_whose_training_worker_is_killed_loses_nothing(
         pins = set(Rollout.objects.filter(pk__in=step.trained)
                    .values_list("resources_version", flat=True))
         assert pins and all(0 <= base - pin <= 1 for pin in pins), (step.n, base, pins)
+    # 3 steps x 2 groups trained of the 7 planned (one spare): one left, counted, none open
+    assert (job.surplus_groups, job.surplus_rollouts) == (1, 4)
+    untrained = selectors.job_rollouts(job=job).filter(mode="train").exclude(pk__in=trained)
+    assert untrained.count() == sum(s.stale_rollouts for s in steps) + job.surplus_rollouts
+    assert not untrained.exclude(status__in=ROLLOUT_TERMINAL).exists()

@@ -52,6 +52,11 @@ class TrainingJob(models.Model):
     resources_id = models.CharField(max_length=40, blank=True)
     best_version = models.PositiveIntegerField(null=True, blank=True)
     best_metric = models.FloatField(null=True, blank=True)
+    # Asynchronous jobs consuming groups: the groups (and their rollouts) planned but not
+    # trained on when the last training step was done (config `spare_groups`: the job plans
+    # that many beyond what its steps train on); their open rollouts were cancelled.
+    surplus_groups = models.PositiveIntegerField(default=0)
+    surplus_rollouts = models.PositiveIntegerField(default=0)
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)

@@ -84,6 +84,10 @@ JOB_DEFAULTS: dict[str, Any] = {
     # it; 0: the synchronous loop. `steps_ahead` (default: max_staleness) is the pacing: how
     # many later steps' rollouts may run while a step trains.
     "max_staleness": 0,
+    # consuming groups (`consume`, trainer/pool.py): groups planned beyond what the steps
+    # train on, so no step waits for the slowest; None: half the groups step 0 trains on
+    # (README "Asynchronous training", spare groups)
+    "spare_groups": None,
     # the store's RolloutConfig of the job's rollouts: a killed runner's rollout is retried
     "rollout_config": {"timeout_seconds": 300, "unresponsive_seconds": 60, "max_attempts": 3,
                        "retry_condition": ["timeout", "unresponsive"]},
@@ -198,10 +202,12 @@ def _step_plan(job: TrainingJob, algorithm: Algorithm, *, n: int, resources_vers
     planned = algorithm.plan(step=n, final=n >= config["steps"],
                              train_dataset=job.train_dataset, val_dataset=job.val_dataset)
     planned.sort(key=lambda p: p.mode != "train")  # train first, then val: keys follow order
+    # step 0 plans the job's spare groups too (every round of it: they stay in the pool)
+    spares = pool.spare_plan(algorithm, job, config, planned) if n == 0 else []
     now = _now()
     fields = {
         "round": round, "resources_version": resources_version,
-        "rollout_count": sum(1 for p in planned if p.mode == "train"),
+        "rollout_count": sum(1 for p in planned if p.mode == "train") + len(spares),
         "val_rollout_count": sum(1 for p in planned if p.mode != "train"),
         "deadline": now + timedelta(seconds=config["step_timeout_seconds"]),
         "attempts": attempts, "lease_until": None, "error": error, "produced_version": None,
@@ -221,13 +227,15 @@ def _step_plan(job: TrainingJob, algorithm: Algorithm, *, n: int, resources_vers
     step.group = group
     if not created:
         return step
+    train = [p for p in planned if p.mode == "train"]
     specs = [
         RolloutSpec(
             input=p.input, mode=p.mode, resources_id=job.resources_id,
             config=config["rollout_config"],
-            metadata=pool.rollout_metadata(job, config, n),
+            metadata=pool.rollout_metadata(job, config, n, spare=spare),
         )
-        for p in planned
+        for part, spare in ((train, False), (spares, True), (planned[len(train):], False))
+        for p in part
     ]
     pool.rollouts_send(job, group, specs)
     if not specs:

@@ -29,6 +29,14 @@ MAX_BOUND = 16
 # own planned groups only (it waits for their last episode).
 CONSUME_RULES = ("groups", "step")
 
+# The most spare groups a job may ask for (each holds a group's rollouts in flight for the
+# whole job, and at most this many are left untrained at its end).
+MAX_SPARE = 64
+
+# A spare group's rollouts carry this in their metadata (trainer/pool.py): planned beyond
+# what the steps train on, they are not part of any step's own count.
+SPARE = "trainer.spare"
+
 
 def bound(config: Mapping[str, Any]) -> int:
     """The job's `max_staleness` (0: synchronous)."""
@@ -39,6 +47,16 @@ def steps_ahead(config: Mapping[str, Any]) -> int:
     """How many steps after the one training may have their groups in flight."""
     ahead = config.get("steps_ahead")
     return bound(config) if ahead is None else int(ahead)
+
+
+def spare_groups(config: Mapping[str, Any], *, planned: int) -> int:
+    """How many groups beyond what the steps train on the job plans (config `spare_groups`;
+    unset: half of the `planned` groups step 0 trains on, rounded up), only when consuming
+    groups, else 0."""
+    if not consumes_groups(config):
+        return 0
+    asked = config.get("spare_groups")
+    return -(-planned // 2) if asked is None else int(asked)
 
 
 def config_error(config: Mapping[str, Any]) -> tuple[str, str] | None:
@@ -57,6 +75,14 @@ def config_error(config: Mapping[str, Any]) -> tuple[str, str] | None:
                 "max_staleness > 0 (a synchronous step's rollouts all run on one version)")
     if config.get("consume", "groups") not in CONSUME_RULES:
         return "config.consume", f"must be one of {', '.join(CONSUME_RULES)}"
+    spare = config.get("spare_groups")
+    if spare is not None and (isinstance(spare, bool) or not isinstance(spare, int)
+                              or not 0 <= spare <= MAX_SPARE
+                              or (spare and not consumes_groups(config))):
+        return ("config.spare_groups", f"must be an integer from 0 to {MAX_SPARE} (groups), "
+                "and above 0 only with max_staleness > 0 and consume: groups (a step that "
+                "trains on its own groups has no use for another's), or null (the default: "
+                "half the groups a step trains on)")
     cap = config.get("importance_cap", 2.0)
     if isinstance(cap, bool) or not isinstance(cap, int | float) or cap < 1:
         return "config.importance_cap", "must be a number >= 1"

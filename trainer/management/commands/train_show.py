@@ -25,6 +25,9 @@ class Command(BaseCommand):
         self.stdout.write(f"job {job.pk} {job.name} [{job.status}] agent={job.agent} "
                           f"algorithm={job.algorithm} steps={job.total_steps} "
                           f"checkpoints={job.resources_id} best=v{job.best_version or '-'}")
+        if job.surplus_groups:  # README "Asynchronous training": spare groups
+            self.stdout.write(f"spare groups left untrained: {job.surplus_groups} "
+                              f"({job.surplus_rollouts} rollouts, open ones cancelled)")
         waiting = {step.pk: reason for step, reason in selectors.waiting_steps(job_id=job.pk)}
         for step in job.steps.order_by("n"):
             m = step.metrics
