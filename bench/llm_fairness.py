@@ -4,7 +4,8 @@ The gateway (`manage.py llm_serve`, its own process, settings as deployed) serve
 projects. Project B makes ordinary calls one after another (chat, 8 tokens, attributed and
 recorded), first alone, then while project A floods it from another process
 (bench/llm_flood.py: 80 concurrent streams of n=4 to the end of the context, `ignore_eos`,
-retrying 429s at once). Printed: B's p50/p99 in both phases, their ratio (the issue's goal:
+retrying 429s at once). The gateway's settings are the environment's (e.g.
+`LLM_GATEWAY_PROJECT_BATCH_ROWS=0` for no per-project cap on the batch's rows). Printed: B's p50/p99 in both phases, their ratio (the issue's goal:
 at most 2x), and how many of A's calls were served and refused (429).
 """
 
@@ -86,7 +87,9 @@ def _report(alone: list[float], flooded: list[float], a_counts: dict, alone_insi
           f"({FLOOD['streams']} concurrent streams of n={FLOOD['n']}, to the end of the "
           f"context, ignore_eos; A's calls: {statuses.get('200', 0)} served, "
           f"{statuses.get('429', 0)} refused with 429, other {other}; "
-          f"{a_counts['lines']} SSE lines streamed)")
+          f"{a_counts['lines']} SSE lines streamed; LLM_GATEWAY_PROJECT_BATCH_ROWS="
+          f"{settings.LLM_GATEWAY_PROJECT_BATCH_ROWS}, LLM_GATEWAY_MAX_BATCH="
+          f"{settings.LLM_GATEWAY_MAX_BATCH})")
     for name, q in (("p50", 0.5), ("p99", 0.99)):
         print(f"  {name}: alone {pct(alone, q) * 1000:7.1f} ms ({len(alone)} calls)   "
               f"under the flood {pct(flooded, q) * 1000:7.1f} ms ({len(flooded)} calls)   "

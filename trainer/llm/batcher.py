@@ -16,7 +16,10 @@ tenant decodes at most `tenant_rows` sequences (`LLM_GATEWAY_PROJECT_BATCH_ROWS`
 requests past that wait, and its rows past that are **set aside** with their caches (not
 stepped, `Decoding.split`) and join again when the others' work is done; so another tenant's
 call decodes in a batch about `tenant_rows` wide, not one the flood filled (each step's time
-grows with its width). Alone, a tenant may fill the batch. Requests of one engine (checkpoint version;
+grows with its width). A tenant counts as having work until `idle` seconds after its last
+sequence left (`LLM_GATEWAY_PROJECT_IDLE_MS`): one making calls one after another keeps the
+flood capped between its calls, instead of the flood filling the batch (and the gateway's
+event loop with its streamed tokens) in each gap. Alone, a tenant may fill the batch. Requests of one engine (checkpoint version;
 LoRA versions of one base together, adapters.py) decode in one batch; batches of different
 engines take steps in turn.
 
@@ -59,11 +62,14 @@ class Job:
 
 class Batcher:
     def __init__(self, *, window: float = 0.005, max_batch: int = 64,
-                 tenant_rows: int = 0) -> None:
+                 tenant_rows: int = 0, idle: float = 0.0) -> None:
         if tenant_rows < 0:
             raise ValueError(f"tenant_rows must be 0 (no cap) or positive, not {tenant_rows}")
+        if idle < 0:
+            raise ValueError(f"idle must be 0 or more seconds, not {idle}")
         self.window, self.max_batch = window, max_batch
-        self.tenant_rows = tenant_rows  # 0: no cap while others have work
+        self.tenant_rows, self.idle = tenant_rows, idle  # 0: no cap while others have work
+        self._seen: dict[object, float] = {}  # tenant: when it last had work (monotonic)
         self._queue: queue.Queue[Job] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="llm-batcher", daemon=True)
         self._thread.start()
@@ -72,6 +78,7 @@ class Batcher:
         self.steps = 0
         self.set_aside = 0  # rows set aside for another tenant's work (for tests and the bench)
         self.widest_shared = 0  # most rows in a step of more than one tenant's rows
+        self.width = 0  # rows in the step decoding now (or last)
 
     def submit(self, engine: Engine, sequences: list[Sequence_], tenant: object = None,
                on_done: Callable[[Job], None] | None = None) -> Job:
@@ -97,7 +104,7 @@ class Batcher:
         aside: list[tuple[object, object, Decoding]] = []  # (tenant, batch key, rows) set aside
         while True:
             try:
-                if not running:
+                if not running and not aside:  # (rows aside join again in _balance)
                     if not waiting:
                         self._take(waiting, self._queue.get())
                     self._gather(waiting, time.monotonic() + self.window)
@@ -154,9 +161,16 @@ class Batcher:
 
     def _cap(self, waiting: dict, held: dict[object, int], aside: list) -> float:
         """How many rows one tenant may decode now: `tenant_rows` while more than one tenant
-        has work (decoding, waiting or set aside), else no cap."""
-        tenants = {t for t, n in held.items() if n} | set(waiting) | {t for t, _, _ in aside}
-        return self.tenant_rows if self.tenant_rows and len(tenants) > 1 else float("inf")
+        has work (decoding, waiting or set aside; or had, under `idle` seconds ago), else no
+        cap."""
+        if not self.tenant_rows:
+            return float("inf")
+        now = time.monotonic()
+        for tenant in {t for t, n in held.items() if n} | set(waiting) | {t for t, _, _ in aside}:
+            self._seen[tenant] = now
+        for tenant in [t for t, seen in self._seen.items() if now - seen > self.idle]:
+            del self._seen[tenant]
+        return self.tenant_rows if len(self._seen) > 1 else float("inf")
 
     def _balance(self, waiting: dict, running: dict[object, Decoding], aside: list) -> None:
         """Rows set aside join again while their tenant is under its cap; a tenant over its
@@ -256,6 +270,7 @@ class Batcher:
         decoding = running[key]
         jobs = {id(r.owner): r.owner for r in decoding.rows}
         self.steps += 1
+        self.width = len(decoding.rows)
         if len({job.tenant for job in jobs.values()}) > 1:
             self.widest_shared = max(self.widest_shared, len(decoding.rows))
         try:

@@ -37,7 +37,8 @@ def build_gateway(*, models: list[str] | None = None, upstream_url: str | None =
                             else settings.LLM_GATEWAY_UPSTREAM_KEY)
     batching = {"window": settings.LLM_GATEWAY_BATCH_WINDOW_MS / 1000,
                 "max_batch": settings.LLM_GATEWAY_MAX_BATCH,
-                "tenant_rows": settings.LLM_GATEWAY_PROJECT_BATCH_ROWS}
+                "tenant_rows": settings.LLM_GATEWAY_PROJECT_BATCH_ROWS,
+                "idle": settings.LLM_GATEWAY_PROJECT_IDLE_MS / 1000}
     batcher: Batcher | EngineProcess
     if engine_process and not upstream:
         batcher = EngineProcess(**batching,
