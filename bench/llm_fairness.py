@@ -97,6 +97,8 @@ def _report(alone: list[float], flooded: list[float], a_counts: dict, alone_insi
     for name, parts in (("alone", alone_inside), ("under the flood", flooded_inside)):
         print(f"  {name}: p50 of the gateway's Server-Timing: engine (waiting and decoding) "
               f"{pct([p['engine'] for p in parts], 0.5) * 1000:.1f} ms, the gateway itself "
-              f"{pct([p['gateway'] for p in parts], 0.5) * 1000:.1f} ms")
+              f"{pct([p['gateway'] for p in parts], 0.5) * 1000:.1f} ms; p50 of each phase: "
+              + ", ".join(f"{k} {pct([p[k] for p in parts if k in p], 0.5) * 1000:.1f}"
+                          for k in parts[0] if k not in ("engine", "gateway", "store_group")))
     print(f"fairness b_p50_ratio={pct(flooded, 0.5) / pct(alone, 0.5):.2f} "
           f"b_p99_ratio={pct(flooded, 0.99) / pct(alone, 0.99):.2f}")
