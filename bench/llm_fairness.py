@@ -100,5 +100,8 @@ def _report(alone: list[float], flooded: list[float], a_counts: dict, alone_insi
               f"{pct([p['gateway'] for p in parts], 0.5) * 1000:.1f} ms; p50 of each phase: "
               + ", ".join(f"{k} {pct([p[k] for p in parts if k in p], 0.5) * 1000:.1f}"
                           for k in parts[0] if k not in ("engine", "gateway", "store_group")))
+    slowest = flooded_inside[max(range(len(flooded)), key=flooded.__getitem__)]
+    print(f"  B's slowest call under the flood ({max(flooded) * 1000:.1f} ms), its phases: "
+          + ", ".join(f"{k} {v * 1000:.1f}" for k, v in slowest.items() if k != "store_group"))
     print(f"fairness b_p50_ratio={pct(flooded, 0.5) / pct(alone, 0.5):.2f} "
           f"b_p99_ratio={pct(flooded, 0.99) / pct(alone, 0.99):.2f}")
