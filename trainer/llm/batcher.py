@@ -19,9 +19,9 @@ call decodes in a batch about `tenant_rows` wide, not one the flood filled (each
 grows with its width). A tenant counts as having work until `idle` seconds after its last
 sequence left (`LLM_GATEWAY_PROJECT_IDLE_MS`): one making calls one after another keeps the
 flood capped between its calls, instead of the flood filling the batch (and the gateway's
-event loop with its streamed tokens) in each gap. Alone, a tenant may fill the batch. Requests of one engine (checkpoint version;
-LoRA versions of one base together, adapters.py) decode in one batch; batches of different
-engines take steps in turn.
+event loop with its streamed tokens) in each gap. Alone, a tenant may fill the batch.
+Requests of one engine (checkpoint version; LoRA versions of one base together, adapters.py)
+decode in one batch; batches of different engines take steps in turn.
 
 A decode failure fails only its own request: a request whose start fails with others is
 started again alone, and a sampling error ends only its sequence's request. A step's forward
@@ -188,7 +188,7 @@ class Batcher:
                 continue
             if room < len(decoding.rows):  # the oldest `room` rows join, the rest stay aside
                 joining = set(map(id, decoding.rows[:int(room)]))
-                decoding = decoding.split(lambda row: id(row) in joining)
+                decoding = decoding.split(lambda row, ids=joining: id(row) in ids)
             else:
                 aside.remove(entry)
             held[tenant] = held.get(tenant, 0) + len(decoding.rows)
@@ -200,11 +200,13 @@ class Batcher:
                     continue
                 mine = [row for row in decoding.rows if row.owner.tenant == tenant]
                 leaving = set(map(id, mine[max(0, len(mine) - over):]))
+                if not leaving:
+                    continue
                 if len(leaving) == len(decoding.rows):
                     del running[key]  # the whole batch: set aside as it is
                     parked = decoding
                 else:
-                    parked = decoding.split(lambda row: id(row) in leaving)
+                    parked = decoding.split(lambda row, ids=leaving: id(row) in ids)
                 aside.append((tenant, key, parked))
                 self.set_aside += len(leaving)
                 over -= len(leaving)

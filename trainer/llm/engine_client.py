@@ -103,7 +103,8 @@ class EngineProcess:
                  idle: float = 0.0, torch_threads: int = 1, load_timeout: float = 600.0,
                  switch_interval_ms: float = 0.0) -> None:
         self.config = {"window": window, "max_batch": max_batch, "tenant_rows": tenant_rows,
-                       "idle": idle, "torch_threads": torch_threads, "switch_interval_ms": switch_interval_ms}
+                       "idle": idle, "torch_threads": torch_threads,
+                       "switch_interval_ms": switch_interval_ms}
         self.load_timeout = load_timeout
         self._context = multiprocessing.get_context("spawn")
         self._lock = threading.RLock()  # RLock: an engine collected under it unloads
