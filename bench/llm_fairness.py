@@ -4,8 +4,10 @@ The gateway (`manage.py llm_serve`, its own process, settings as deployed) serve
 projects. Project B makes ordinary calls one after another (chat, 8 tokens, attributed and
 recorded), first alone, then while project A floods it from another process
 (bench/llm_flood.py: 80 concurrent streams of n=4 to the end of the context, `ignore_eos`,
-retrying 429s at once). Printed: B's p50/p99 in both phases, their ratio (the issue's goal:
-at most 2x), and how many of A's calls were served and refused (429).
+retrying 429s at once). The gateway's settings are the environment's (e.g.
+`LLM_GATEWAY_PROJECT_BATCH_ROWS=0` for no per-project cap on the batch's rows). Printed: B's
+p50/p99 in both phases, their ratio (the issue's goal: at most 2x), how many of A's calls
+were served and refused (429), the p50 of each Server-Timing phase and B's slowest call's.
 """
 
 from __future__ import annotations
@@ -86,7 +88,9 @@ def _report(alone: list[float], flooded: list[float], a_counts: dict, alone_insi
           f"({FLOOD['streams']} concurrent streams of n={FLOOD['n']}, to the end of the "
           f"context, ignore_eos; A's calls: {statuses.get('200', 0)} served, "
           f"{statuses.get('429', 0)} refused with 429, other {other}; "
-          f"{a_counts['lines']} SSE lines streamed)")
+          f"{a_counts['lines']} SSE lines streamed; LLM_GATEWAY_PROJECT_BATCH_ROWS="
+          f"{settings.LLM_GATEWAY_PROJECT_BATCH_ROWS}, LLM_GATEWAY_MAX_BATCH="
+          f"{settings.LLM_GATEWAY_MAX_BATCH})")
     for name, q in (("p50", 0.5), ("p99", 0.99)):
         print(f"  {name}: alone {pct(alone, q) * 1000:7.1f} ms ({len(alone)} calls)   "
               f"under the flood {pct(flooded, q) * 1000:7.1f} ms ({len(flooded)} calls)   "
@@ -94,6 +98,11 @@ def _report(alone: list[float], flooded: list[float], a_counts: dict, alone_insi
     for name, parts in (("alone", alone_inside), ("under the flood", flooded_inside)):
         print(f"  {name}: p50 of the gateway's Server-Timing: engine (waiting and decoding) "
               f"{pct([p['engine'] for p in parts], 0.5) * 1000:.1f} ms, the gateway itself "
-              f"{pct([p['gateway'] for p in parts], 0.5) * 1000:.1f} ms")
+              f"{pct([p['gateway'] for p in parts], 0.5) * 1000:.1f} ms; p50 of each phase: "
+              + ", ".join(f"{k} {pct([p[k] for p in parts if k in p], 0.5) * 1000:.1f}"
+                          for k in parts[0] if k not in ("engine", "gateway", "store_group")))
+    slowest = flooded_inside[max(range(len(flooded)), key=flooded.__getitem__)]
+    print(f"  B's slowest call under the flood ({max(flooded) * 1000:.1f} ms), its phases: "
+          + ", ".join(f"{k} {v * 1000:.1f}" for k, v in slowest.items() if k != "store_group"))
     print(f"fairness b_p50_ratio={pct(flooded, 0.5) / pct(alone, 0.5):.2f} "
           f"b_p99_ratio={pct(flooded, 0.99) / pct(alone, 0.99):.2f}")

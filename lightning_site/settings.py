@@ -377,6 +377,13 @@ LLM_GATEWAY_MAX_SEQUENCES_PER_PROJECT = env_int("LLM_GATEWAY_MAX_SEQUENCES_PER_P
 # milliseconds for others to start with it.
 LLM_GATEWAY_BATCH_WINDOW_MS = env_float("LLM_GATEWAY_BATCH_WINDOW_MS", 5.0, minimum=0.0)
 LLM_GATEWAY_MAX_BATCH = env_int("LLM_GATEWAY_MAX_BATCH", 64, minimum=1)
+# While more than one project has work, one project decodes at most this many sequences; its
+# others wait or are set aside with their caches (trainer/llm/batcher.py), so a flood leaves
+# another project's call a step about this wide. 0: no cap (a flood may fill the batch).
+LLM_GATEWAY_PROJECT_BATCH_ROWS = env_int("LLM_GATEWAY_PROJECT_BATCH_ROWS", 8, minimum=0)
+# A project counts as having work (capping the others) until this long after its last
+# sequence left: one calling again and again keeps a flood capped between its calls.
+LLM_GATEWAY_PROJECT_IDLE_MS = env_float("LLM_GATEWAY_PROJECT_IDLE_MS", 500.0, minimum=0.0)
 # Threads for the gateway's database work (authentication, attribution, recording), each with
 # its Postgres connection (README "Deploy": the connection budget); a call holds one only
 # while it touches the database, not while it waits for the engine.

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from trainer.llm.batcher import Batcher
+from trainer.llm.batcher import Batcher, Job
 from trainer.llm.engine import Engine, Params, Sequence_
 
 pytestmark = pytest.mark.slow
@@ -83,6 +83,75 @@ def test_a_tenant_with_nothing_decoding_joins_a_full_batch_before_the_flood(mode
     assert order == [("b started", [True, True, False, False]),
                      ("b done", [False, False, False, False])]
     assert batcher.largest == 9
+
+
+def test_a_flood_leaves_another_tenant_its_share_of_the_batch(model_dir):
+    """a fills the batch (4 requests of 4 sequences, batch of 16); b's call arrives: while b
+    decodes, a keeps 4 rows (tenant_rows) and 12 are set aside with their caches, so b's steps
+    are 5 rows wide, not 17; once b is done a's rows decode on to their end, each the tokens
+    it decodes alone. Before, a's 16 rows decoded with b's one in every step."""
+    engine = Engine(model_dir, name="tiny")  # in this process, whatever the gateway's layout
+    ids = engine.tokenizer("abc 7")["input_ids"]
+    room = engine.context - len(ids)
+    alone = _greedy(ids, room)
+    engine.generate([alone])
+    batcher = Batcher(window=0.3, max_batch=16, tenant_rows=4)
+    a_full, b_submitted = threading.Event(), threading.Event()
+
+    def a_token(seq, *_):
+        if batcher.largest == 16:
+            a_full.set()
+            b_submitted.wait(30)  # a decodes on once b is queued
+
+    flood = [batcher.submit(engine, [_greedy(ids, room, a_token, index=i) for i in range(4)],
+                            tenant="a") for _ in range(4)]
+    assert a_full.wait(60)
+    b = batcher.submit(engine, [_greedy(ids, 3)], tenant="b")
+    b_submitted.set()
+    assert b.done.wait(60) and b.error is None
+    b_finished_first = not any(job.done.is_set() for job in flood)
+    for job in flood:
+        assert job.done.wait(120) and job.error is None
+    assert b_finished_first
+    assert batcher.set_aside == 12
+    assert batcher.widest_shared == 5
+    assert all(seq.token_ids == alone.token_ids for job in flood for seq in job.sequences)
+
+
+@pytest.mark.parametrize("idle, widest_after_b", [(3600.0, 4), (0.0, 16)])
+def test_a_tenant_counts_as_having_work_until_idle_after_its_last_row(model_dir, idle,
+                                                                      widest_after_b):
+    """b's call done: with `idle` not yet over, a's rows still decode 4 at a time (b's next
+    call will find a capped); with idle 0, a's rows set aside join again at once."""
+    engine = Engine(model_dir, name="tiny")
+    ids = engine.tokenizer("abc 7")["input_ids"]
+    room = engine.context - len(ids)
+    batcher = Batcher(window=0.3, max_batch=16, tenant_rows=4, idle=idle)
+    a_full, b_submitted, after_b = threading.Event(), threading.Event(), []
+
+    def a_token(seq, *_):
+        if batcher.largest == 16:
+            a_full.set()
+            b_submitted.wait(30)
+        if b.done.is_set():
+            after_b.append(batcher.width)
+
+    b = Job(engine, [])
+    flood = [batcher.submit(engine, [_greedy(ids, room, a_token, index=i) for i in range(4)],
+                            tenant="a") for _ in range(4)]
+    assert a_full.wait(60)
+    b = batcher.submit(engine, [_greedy(ids, 3)], tenant="b")
+    b_submitted.set()
+    for job in [b, *flood]:
+        assert job.done.wait(120) and job.error is None
+    assert after_b and max(after_b) == widest_after_b
+
+
+def test_the_share_of_the_batch_is_a_positive_number_of_rows_or_none():
+    with pytest.raises(ValueError, match="tenant_rows"):
+        Batcher(tenant_rows=-1)
+    with pytest.raises(ValueError, match="idle"):
+        Batcher(idle=-1.0)
 
 
 def test_a_flooding_project_gets_429_and_another_keeps_being_served(gateway_server, keyed):

@@ -11,9 +11,17 @@ tenants** (one request of each tenant in turn, each tenant's oldest first), so a
 hundreds of requests queued does not keep another's single request out; and a tenant with
 nothing decoding always joins at the next step, even when the batch is full (it then holds
 more than `max_batch` by that tenant's request until sequences leave): one tenant's long
-generations never hold every slot against another. Requests of one engine (checkpoint version;
-LoRA versions of one base together, adapters.py) decode in one batch; batches of different
-engines take steps in turn.
+generations never hold every slot against another. While more than one tenant has work, a
+tenant decodes at most `tenant_rows` sequences (`LLM_GATEWAY_PROJECT_BATCH_ROWS`): its
+requests past that wait, and its rows past that are **set aside** with their caches (not
+stepped, `Decoding.split`) and join again when the others' work is done; so another tenant's
+call decodes in a batch about `tenant_rows` wide, not one the flood filled (each step's time
+grows with its width). A tenant counts as having work until `idle` seconds after its last
+sequence left (`LLM_GATEWAY_PROJECT_IDLE_MS`): one making calls one after another keeps the
+flood capped between its calls, instead of the flood filling the batch (and the gateway's
+event loop with its streamed tokens) in each gap. Alone, a tenant may fill the batch.
+Requests of one engine (checkpoint version; LoRA versions of one base together, adapters.py)
+decode in one batch; batches of different engines take steps in turn.
 
 A decode failure fails only its own request: a request whose start fails with others is
 started again alone, and a sampling error ends only its sequence's request. A step's forward
@@ -53,14 +61,24 @@ class Job:
 
 
 class Batcher:
-    def __init__(self, *, window: float = 0.005, max_batch: int = 64) -> None:
+    def __init__(self, *, window: float = 0.005, max_batch: int = 64,
+                 tenant_rows: int = 0, idle: float = 0.0) -> None:
+        if tenant_rows < 0:
+            raise ValueError(f"tenant_rows must be 0 (no cap) or positive, not {tenant_rows}")
+        if idle < 0:
+            raise ValueError(f"idle must be 0 or more seconds, not {idle}")
         self.window, self.max_batch = window, max_batch
+        self.tenant_rows, self.idle = tenant_rows, idle  # 0: no cap while others have work
+        self._seen: dict[object, float] = {}  # tenant: when it last had work (monotonic)
         self._queue: queue.Queue[Job] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="llm-batcher", daemon=True)
         self._thread.start()
         self.batches = 0  # starts (requests that joined together), for tests and the bench
         self.largest = 0  # most sequences decoding at once
         self.steps = 0
+        self.set_aside = 0  # rows set aside for another tenant's work (for tests and the bench)
+        self.widest_shared = 0  # most rows in a step of more than one tenant's rows
+        self.width = 0  # rows in the step decoding now (or last)
 
     def submit(self, engine: Engine, sequences: list[Sequence_], tenant: object = None,
                on_done: Callable[[Job], None] | None = None) -> Job:
@@ -83,15 +101,17 @@ class Batcher:
     def _loop(self) -> None:
         waiting: dict[object, deque[Job]] = {}  # per tenant, oldest first; insertion = turn
         running: dict[object, Decoding] = {}  # per batch key
+        aside: list[tuple[object, object, Decoding]] = []  # (tenant, batch key, rows) set aside
         while True:
             try:
-                if not running:
+                if not running and not aside:  # (rows aside join again in _balance)
                     if not waiting:
                         self._take(waiting, self._queue.get())
                     self._gather(waiting, time.monotonic() + self.window)
                 else:
                     self._gather(waiting, 0.0)
-                self._join(self._compose(waiting, running), running)
+                self._join(self._compose(waiting, running, aside), running)
+                self._balance(waiting, running, aside)
                 for key in list(running):
                     self._step(running, key)
             except Exception:  # never let the decoding thread die
@@ -110,22 +130,21 @@ class Batcher:
     def _take(waiting: dict[object, deque[Job]], job: Job) -> None:
         waiting.setdefault(job.tenant, deque()).append(job)
 
-    def _compose(self, waiting: dict[object, deque[Job]],
-                 running: dict[object, Decoding]) -> list[Job]:
+    def _compose(self, waiting: dict[object, deque[Job]], running: dict[object, Decoding],
+                 aside: list) -> list[Job]:
         """The waiting requests that join now: one per tenant in turn while they fit in
-        max_batch; a tenant with nothing decoding joins whatever the size. A tenant served
-        moves to the back of the turn."""
-        held: dict[object, int] = {}
-        for decoding in running.values():
-            for row in decoding.rows:
-                held[row.owner.tenant] = held.get(row.owner.tenant, 0) + 1
+        max_batch and the tenant's cap; a tenant with nothing decoding joins whatever the size.
+        A tenant served moves to the back of the turn."""
+        held = _held(running)
         size = sum(held.values())
+        cap = self._cap(waiting, held, aside)
         jobs: list[Job] = []
         while waiting:
             progressed = False
             for tenant in list(waiting):
                 queue_ = waiting[tenant]
-                fits = size + len(queue_[0].sequences) <= self.max_batch
+                more = len(queue_[0].sequences)
+                fits = size + more <= self.max_batch and held.get(tenant, 0) + more <= cap
                 if not fits and held.get(tenant, 0):
                     continue
                 job = queue_.popleft()
@@ -140,6 +159,58 @@ class Batcher:
                 break
         return jobs
 
+    def _cap(self, waiting: dict, held: dict[object, int], aside: list) -> float:
+        """How many rows one tenant may decode now: `tenant_rows` while more than one tenant
+        has work (decoding, waiting or set aside; or had, under `idle` seconds ago), else no
+        cap."""
+        if not self.tenant_rows:
+            return float("inf")
+        now = time.monotonic()
+        for tenant in {t for t, n in held.items() if n} | set(waiting) | {t for t, _, _ in aside}:
+            self._seen[tenant] = now
+        for tenant in [t for t, seen in self._seen.items() if now - seen > self.idle]:
+            del self._seen[tenant]
+        return self.tenant_rows if len(self._seen) > 1 else float("inf")
+
+    def _balance(self, waiting: dict, running: dict[object, Decoding], aside: list) -> None:
+        """Rows set aside join again while their tenant is under its cap; a tenant over its
+        cap has its latest rows set aside (merge caches only)."""
+        for entry in list(aside):  # oldest first; the rows of finished (failed) requests go
+            entry[2].drop(lambda row: row.owner.done.is_set())
+            if not entry[2].rows:
+                aside.remove(entry)
+        held = _held(running)
+        cap = self._cap(waiting, held, aside)
+        for entry in list(aside):
+            tenant, key, decoding = entry
+            room = cap - held.get(tenant, 0)
+            if room <= 0:
+                continue
+            if room < len(decoding.rows):  # the oldest `room` rows join, the rest stay aside
+                joining = set(map(id, decoding.rows[:int(room)]))
+                decoding = decoding.split(lambda row, ids=joining: id(row) in ids)
+            else:
+                aside.remove(entry)
+            held[tenant] = held.get(tenant, 0) + len(decoding.rows)
+            self._run(key, decoding, running)
+        for tenant, count in held.items():
+            over = count - cap
+            for key, decoding in list(running.items()):
+                if over <= 0 or not decoding.joinable():
+                    continue
+                mine = [row for row in decoding.rows if row.owner.tenant == tenant]
+                leaving = set(map(id, mine[max(0, len(mine) - over):]))
+                if not leaving:
+                    continue
+                if len(leaving) == len(decoding.rows):
+                    del running[key]  # the whole batch: set aside as it is
+                    parked = decoding
+                else:
+                    parked = decoding.split(lambda row, ids=leaving: id(row) in ids)
+                aside.append((tenant, key, parked))
+                self.set_aside += len(leaving)
+                over -= len(leaving)
+
     def _join(self, jobs: list[Job], running: dict[object, Decoding]) -> None:
         groups: dict[object, list[Job]] = {}  # LoRA adapters of one base: one batch
         for job in jobs:
@@ -147,17 +218,20 @@ class Batcher:
         for key, group in groups.items():
             self.batches += 1
             started = self._start(group)
-            if started is None:
-                continue
-            current = running.get(key)
-            if current is not None and current.rows and current.joinable() \
-                    and started.joinable():
-                current.join(started)
-            elif current is None or not current.rows:
-                running[key] = started
-            else:  # a cache we cannot merge: a batch of its own, stepped in turn
-                running[(key, id(started))] = started
-            self.largest = max(self.largest, sum(len(d.rows) for d in running.values()))
+            if started is not None:
+                self._run(key, started, running)
+
+    def _run(self, key: object, started: Decoding, running: dict[object, Decoding]) -> None:
+        """`started`'s rows decode from the next step: in the batch of their key if caches
+        merge, else in a batch of their own stepped in turn."""
+        current = running.get(key)
+        if current is not None and current.rows and current.joinable() and started.joinable():
+            current.join(started)
+        elif current is None or not current.rows:
+            running[key] = started
+        else:
+            running[(key, id(started))] = started
+        self.largest = max(self.largest, sum(len(d.rows) for d in running.values()))
 
     def _start(self, jobs: list[Job]) -> Decoding | None:
         """The jobs' prompts through the model together; if that fails, each alone (only the
@@ -198,6 +272,9 @@ class Batcher:
         decoding = running[key]
         jobs = {id(r.owner): r.owner for r in decoding.rows}
         self.steps += 1
+        self.width = len(decoding.rows)
+        if len({job.tenant for job in jobs.values()}) > 1:
+            self.widest_shared = max(self.widest_shared, len(decoding.rows))
         try:
             with decoding.engine.lock:
                 failures = decoding.step()
@@ -247,6 +324,15 @@ class Batcher:
                 job.on_done(job)
             except Exception:  # e.g. the caller's event loop closed: nobody waits any more
                 log.warning("a finished request's callback failed", exc_info=True)
+
+
+def _held(running: dict[object, Decoding]) -> dict[object, int]:
+    """Rows decoding per tenant."""
+    held: dict[object, int] = {}
+    for decoding in running.values():
+        for row in decoding.rows:
+            held[row.owner.tenant] = held.get(row.owner.tenant, 0) + 1
+    return held
 
 
 def _key(engine: Engine) -> object:

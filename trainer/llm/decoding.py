@@ -5,7 +5,9 @@
 samples each row's first token; `step()` decodes one more token for every row; `join(other)`
 merges another started batch of the same engine (or of the same shared base) into this one, so
 a request that arrives while others decode starts at the next step instead of after the batch;
-finished rows leave after each call. Each row's KV cache and attention mask are kept aligned
+`split(leaving)` moves rows out, with their caches, into a batch of their own (one tenant's
+rows set aside while another's decode, joined back later: batcher.py); finished rows leave
+after each call. Each row's KV cache and attention mask are kept aligned
 on the right: joining pads the shorter side's cache on the left with masked positions, and
 leaving drops the columns no remaining row attends to. A row's positions come from its own
 mask, so a row decodes the same tokens whoever it shares the batch with.
@@ -108,6 +110,25 @@ class Decoding:
         """The rows `leaving` says leave now (their requests failed)."""
         self._keep([i for i, row in enumerate(self.rows) if not leaving(row)])
 
+    def split(self, leaving: Callable[[Row], bool]) -> Decoding:
+        """The rows `leaving` says, moved with their caches into a new batch (merge caches
+        only, `joinable`); they decode as before once joined back."""
+        from transformers import DynamicCache
+
+        out = Decoding(self.engine)
+        moving = [i for i, row in enumerate(self.rows) if leaving(row)]
+        if not moving:
+            return out
+        index = torch.tensor(moving, device=self.attention.device)
+        out.rows = [self.rows[i] for i in moving]
+        out.attention, out.pending = self.attention[index], self.pending[index]
+        out.cache = DynamicCache()
+        for number, layer in enumerate(self.cache.layers):
+            out.cache.update(layer.keys[index], layer.values[index], number)
+        out._trim()
+        self.drop(leaving)
+        return out
+
     def joinable(self) -> bool:
         """Whether the cache is one whose layers this module knows how to merge."""
         from transformers.cache_utils import DynamicLayer
@@ -164,11 +185,19 @@ class Decoding:
             for layer in self.cache.layers:
                 layer.batch_select_indices(index)
             return
-        first = int(self.attention.any(0).nonzero()[0])  # columns nobody attends to go
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys[index], layer.values[index]
+        self._trim()
+
+    def _trim(self) -> None:
+        """The columns no row attends to go."""
+        first = int(self.attention.any(0).nonzero()[0])
+        if not first:
+            return
         self.attention = self.attention[:, first:]
         for layer in self.cache.layers:
-            layer.keys = layer.keys[index, :, first:]
-            layer.values = layer.values[index, :, first:]
+            layer.keys = layer.keys[:, :, first:]
+            layer.values = layer.values[:, :, first:]
 
 
 # A prefix of at least this many ids common to every prompt starting together runs once (an

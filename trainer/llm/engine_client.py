@@ -99,9 +99,11 @@ class _Load:
 
 
 class EngineProcess:
-    def __init__(self, *, window: float = 0.005, max_batch: int = 64, torch_threads: int = 1,
-                 load_timeout: float = 600.0, switch_interval_ms: float = 0.0) -> None:
-        self.config = {"window": window, "max_batch": max_batch, "torch_threads": torch_threads,
+    def __init__(self, *, window: float = 0.005, max_batch: int = 64, tenant_rows: int = 0,
+                 idle: float = 0.0, torch_threads: int = 1, load_timeout: float = 600.0,
+                 switch_interval_ms: float = 0.0) -> None:
+        self.config = {"window": window, "max_batch": max_batch, "tenant_rows": tenant_rows,
+                       "idle": idle, "torch_threads": torch_threads,
                        "switch_interval_ms": switch_interval_ms}
         self.load_timeout = load_timeout
         self._context = multiprocessing.get_context("spawn")

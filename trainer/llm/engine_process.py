@@ -63,7 +63,9 @@ class _Serving:
 
         self.conn = conn
         self.batcher = Batcher(window=config.get("window", 0.005),
-                               max_batch=config.get("max_batch", 64))
+                               max_batch=config.get("max_batch", 64),
+                               tenant_rows=config.get("tenant_rows", 0),
+                               idle=config.get("idle", 0.0))
         self.engines: dict[int, Future] = {}
         self.loading = ThreadPoolExecutor(max_workers=2, thread_name_prefix="llm-engine-load")
         self.out: queue.SimpleQueue = queue.SimpleQueue()

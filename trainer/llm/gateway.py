@@ -522,13 +522,14 @@ class Gateway:
         while True:
             getter = asyncio.ensure_future(events.get())
             done, _ = await asyncio.wait({getter, work}, return_when=asyncio.FIRST_COMPLETED)
-            if getter in done:
-                yield _sse(getter.result())
+            if getter in done:  # with every chunk already waiting: one write, not one each
+                yield _sse(getter.result()) + _waiting(events)
                 continue
             getter.cancel()
             break
-        while not events.empty():
-            yield _sse(events.get_nowait())
+        rest = _waiting(events)
+        if rest:
+            yield rest
         try:
             work.result()
         except Exception as exc:  # the stream already started: report in-band
@@ -841,6 +842,14 @@ def _json(raw: bytes) -> Any:
 def _too_large(limit: int) -> BadRequest:
     return BadRequest(f"the request body is larger than {limit} bytes", status=413,
                       code="request_too_large")
+
+
+def _waiting(events: asyncio.Queue) -> str:
+    """The chunks already queued, as one piece of the stream."""
+    parts = []
+    while not events.empty():
+        parts.append(_sse(events.get_nowait()))
+    return "".join(parts)
 
 
 def _sse(payload: dict[str, Any]) -> str:

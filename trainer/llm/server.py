@@ -35,15 +35,18 @@ def build_gateway(*, models: list[str] | None = None, upstream_url: str | None =
     if upstream_url:
         upstream = Upstream(upstream_url, api_key=upstream_key if upstream_key is not None
                             else settings.LLM_GATEWAY_UPSTREAM_KEY)
-    window, max_batch = settings.LLM_GATEWAY_BATCH_WINDOW_MS / 1000, settings.LLM_GATEWAY_MAX_BATCH
+    batching = {"window": settings.LLM_GATEWAY_BATCH_WINDOW_MS / 1000,
+                "max_batch": settings.LLM_GATEWAY_MAX_BATCH,
+                "tenant_rows": settings.LLM_GATEWAY_PROJECT_BATCH_ROWS,
+                "idle": settings.LLM_GATEWAY_PROJECT_IDLE_MS / 1000}
     batcher: Batcher | EngineProcess
     if engine_process and not upstream:
-        batcher = EngineProcess(window=window, max_batch=max_batch,
+        batcher = EngineProcess(**batching,
                                 torch_threads=settings.LLM_GATEWAY_TORCH_THREADS,
                                 switch_interval_ms=settings.LLM_GATEWAY_SWITCH_INTERVAL_MS)
         make_engine = batcher.engine
     else:
-        batcher, make_engine = Batcher(window=window, max_batch=max_batch), None
+        batcher, make_engine = Batcher(**batching), None
     gateway = Gateway(
         registry=Registry(max_versions=settings.LLM_GATEWAY_MAX_VERSIONS,
                           max_spaces=settings.LLM_GATEWAY_MAX_MODELS_PER_PROJECT,
