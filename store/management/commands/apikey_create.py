@@ -1,7 +1,8 @@
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import BaseCommand
 
 from store import services
-from store.models import ApiKey, Project
+from store.management.arguments import project_named
+from store.models import ApiKey
 
 
 class Command(BaseCommand):
@@ -14,8 +15,6 @@ class Command(BaseCommand):
         parser.add_argument("--name", default="", help="a label for the key (default: the role)")
 
     def handle(self, *args, project, role, name, **options):
-        found = Project.objects.filter(name=project).first()
-        if found is None:
-            raise CommandError(f"no project named {project!r}")
+        found = project_named(project)
         _, raw = services.api_key_create(project=found, role=role, name=name)
         self.stdout.write(raw)

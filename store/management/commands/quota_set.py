@@ -8,7 +8,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from store import selectors, services
 from store.errors import StoreError
-from store.models import Project
+from store.management.arguments import project_named
 
 NO_CAP = "none"
 # (option, keyword of project_quota_set and Project column, help)
@@ -38,9 +38,7 @@ class Command(BaseCommand):
             parser.add_argument(option, help=text)
 
     def handle(self, *args, project: str, **options) -> None:
-        row = Project.objects.filter(name=project).first()
-        if row is None:
-            raise CommandError(f"no project named {project!r}")
+        row = project_named(project)
         changes = {name: _cap(options[name]) for _, name, _ in FLAGS
                    if options[name] is not None}
         try:

@@ -2,7 +2,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from store import services
 from store.errors import StoreError
-from store.models import Project
+from store.management.arguments import project_named
 
 
 def _cap(value: str) -> int | None:
@@ -29,9 +29,7 @@ class Command(BaseCommand):
                             help="cap on its claimed, unfinished rollouts; 'none' lifts it")
 
     def handle(self, *args, project, weight, party, cap, **options):
-        row = Project.objects.filter(name=project).first()
-        if row is None:
-            raise CommandError(f"no project named {project!r}")
+        row = project_named(project)
         try:
             share = services.share_set(
                 project=row, weight=None if party is not None else weight, party=party,

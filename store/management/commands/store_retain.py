@@ -2,7 +2,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from store import services
-from store.models import Project
+from store.management.arguments import project_named
 
 
 class Command(BaseCommand):
@@ -17,9 +17,7 @@ class Command(BaseCommand):
     def handle(self, *args, keep_last, project, **options):
         scope = None
         if project:
-            scope = Project.objects.filter(name=project).first()
-            if scope is None:
-                raise CommandError(f"no project named {project!r}")
+            scope = project_named(project)
         if keep_last < 1:
             raise CommandError("--keep-last must be >= 1")
         deleted = services.resources_retain(keep_last=keep_last, project=scope)
