@@ -120,6 +120,8 @@ def test_runner_reports_racing_the_sweep_lose_no_update():
 
 def _waiting_on_locks() -> int:
     with connections["default"].cursor() as cursor:
+        # pg_stat_activity is read once per transaction: a fresh look each time.
+        cursor.execute("SELECT pg_stat_clear_snapshot()")
         cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
                        "AND wait_event_type = 'Lock'")
         return cursor.fetchone()[0]

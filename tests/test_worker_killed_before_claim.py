@@ -24,6 +24,10 @@ DEFAULTS = {"RUNNERS_HEARTBEAT_SECONDS": "5"}
 
 def _a_claim_waits_for_the_lock() -> bool:
     with connection.cursor() as cursor:
+        # Asked inside the test's transaction: Postgres reads pg_stat_activity once per
+        # transaction (stats_fetch_consistency), so a snapshot taken before the worker's claim
+        # began to wait would be answered again and again (CI, stop 32). Read it afresh.
+        cursor.execute("SELECT pg_stat_clear_snapshot()")
         cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
                        " AND wait_event_type = 'Lock' AND query LIKE '%%store_attempt%%'")
         return cursor.fetchone()[0] > 0
