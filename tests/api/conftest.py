@@ -44,6 +44,10 @@ def free_port(exclude: set[int] | frozenset[int] = frozenset()) -> int:
 
 def database_url_for_tests() -> str:
     db = settings.DATABASES["default"]
+    if "postgresql" not in db["ENGINE"]:
+        # Server processes share the test database over the network; the SQLite run tests the
+        # store's services in process (./lightning test_sqlite), not servers.
+        pytest.skip("a server process needs the Postgres test database")
     user, host = db["USER"] or "postgres", db["HOST"] or "127.0.0.1"
     return f"postgres://{user}@{host}:{db['PORT'] or 5432}/{db['NAME']}"
 
