@@ -3,9 +3,9 @@
 /v1/agl/rollouts/{rollout_id}/attempts/{attempt_id}` (the attempt update that reports the
 verdict), and the two AGL 0.3's client sends for a span it adds as JSON
 (`add_otel_span`, and a reward the rollout function returns): `POST /v1/agl/spans/next` and
-`POST /v1/agl/spans`; and the resources read AGL's runner sends before every rollout, `GET
-/v1/agl/resources/{resources_id}` (without a query); as store/api/fastpath.py is for OTLP
-exports.
+`POST /v1/agl/spans`; the resources read AGL's runner sends before every rollout, `GET
+/v1/agl/resources/{resources_id}` (without a query); and its worker heartbeat, `POST
+/v1/agl/workers/{worker_id}`; as store/api/fastpath.py is for OTLP exports.
 
 The ASGI front (lightning_site/asgi.py) offers it these requests first (`route`). It answers
 only the common well-formed case: a valid key of a role the view allows, `Content-Type:
