@@ -24,7 +24,11 @@ What it adds over running Django under gunicorn's threads:
   requests, and for a runner's dequeue (without a wait), attempt update and AGL's per-span
   `spans/next` and `spans` (store/api/fastjson.py): the common well-formed case without
   Django's middleware and DRF,
-  the same answer; anything else falls through to Django.
+  the same answer; anything else falls through to Django. Those whose one statement only
+  reads or commits asynchronously (INLINE_ROUTES: the OTLP export, `spans`, the resources
+  read) run on the event loop's own thread and connection, without the hand-off to a thread
+  (WEB_INLINE=0: on the threads too); a row lock held by another transaction sends such a
+  request to Django's path after INLINE_LOCK_TIMEOUT_MS.
 
 Every other request (and each run of a waiting one) goes through Django's WSGI handler on a
 pool of WEB_THREADS threads, unchanged: the same views, validation, statuses and bodies.
@@ -33,8 +37,10 @@ pool of WEB_THREADS threads, unchanged: the same views, validation, statuses and
 from __future__ import annotations
 
 import asyncio
+import asyncio.events as asyncio_events
 import io
 import json
+import logging
 import os
 import sys
 import time
@@ -45,6 +51,7 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "lightning_site.settings")
 
 from django.conf import settings  # noqa: E402
 from django.core.wsgi import get_wsgi_application  # noqa: E402
+from django.db import DEFAULT_DB_ALIAS, connections  # noqa: E402
 
 _django = get_wsgi_application()  # sets Django up: the imports below need it
 
@@ -53,8 +60,15 @@ from lightning_site.metrics import http_latency, http_requests  # noqa: E402
 from store import waits, wakeups  # noqa: E402
 from store.api import fastjson, fastpath  # noqa: E402
 
+log = logging.getLogger(__name__)
 _JSON = [(b"content-type", b"application/json")]
 RETRY_AFTER_SECONDS = 2
+# Lean routes answered on the event loop's thread (Front._inline): one statement that
+# commits asynchronously (span writes) or only reads, so the loop never waits for a WAL
+# flush; the claim, `spans/next`, the verdict and the heartbeat (synchronous commits) and
+# everything through Django stay on the pool's threads.
+INLINE_ROUTES = frozenset({fastpath.TRACES_PATH, fastjson.SPANS_PATH, fastjson.RESOURCE_ROUTE})
+INLINE_LOCK_TIMEOUT_MS = 50
 RERUN_INTERVAL = 0.1  # seconds between two runs of one waiting request, at least
 
 
@@ -88,11 +102,14 @@ class WaitSlots:
 
 class Front:
     def __init__(self, wsgi, *, threads: int, body_timeout: float, max_body: int,
-                 slots: WaitSlots, fast=None, fast_json=None) -> None:  # noqa: ANN001
+                 slots: WaitSlots, fast=None, fast_json=None,  # noqa: ANN001
+                 inline: frozenset = frozenset()) -> None:
         # fast: fastpath.otlp_traces; fast_json: fastjson.route
         self.wsgi, self.fast, self.fast_json = wsgi, fast, fast_json
         self.pool = handoff.Pool(threads, name="web")
         self.body_timeout, self.max_body, self.slots = body_timeout, max_body, slots
+        self.inline_routes = frozenset(inline)
+        self._inline_raw = None  # the loop thread's connection, once lock_timeout is set on it
 
     async def __call__(self, scope: dict, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -105,7 +122,10 @@ class Front:
             return
         lean = self._lean(scope)
         if lean is not None:
-            answer = await self.pool.run(self._fast, lean, scope, body)
+            if lean[0] in self.inline_routes:
+                answer = self._inline(lean, scope, body)
+            else:
+                answer = await self.pool.run(self._fast, lean, scope, body)
             if answer is not None:
                 await self._send(send, *answer)
                 return
@@ -193,6 +213,37 @@ class Front:
             http_latency.labels(route).observe(time.perf_counter() - started)
             http_requests.labels(route, scope["method"], str(answer[0])).inc()
         return answer
+
+    def _inline(self, lean: tuple, scope: dict, body: bytes) -> tuple | None:
+        """A lean path run on the event loop's own thread, on that thread's own connection,
+        for INLINE_ROUTES: their one statement is short and never waits for a WAL flush, so
+        the hand-off to a pool thread and back (and another of the pool's connections) cost
+        more than the call. A row lock held longer than INLINE_LOCK_TIMEOUT_MS (a verdict's
+        transaction on the same rollout, a sweep) fails the statement, which stored nothing,
+        and the request goes to Django's path on a thread, as any None does: the loop is never
+        held up longer than that by another transaction."""
+        loop = asyncio_events._get_running_loop()
+        asyncio_events._set_running_loop(None)  # Django refuses queries beside a running loop
+        try:
+            db = connections[DEFAULT_DB_ALIAS]
+            if db.connection is None or db.connection is not self._inline_raw:
+                try:
+                    db.ensure_connection()
+                    with db.cursor() as cursor:
+                        cursor.execute(f"SET lock_timeout = {INLINE_LOCK_TIMEOUT_MS}")
+                except Exception:  # no connection: Django's path (its health check) answers
+                    log.debug("inline lean path: no connection", exc_info=True)
+                    db.close_if_unusable_or_obsolete()
+                    return None
+                self._inline_raw = db.connection
+            answer = self._fast(lean, scope, body)
+            if answer is None:
+                # As Django's request_finished does for its threads: a connection that
+                # failed is dropped, the next call opens another.
+                db.close_if_unusable_or_obsolete()
+            return answer
+        finally:
+            asyncio_events._set_running_loop(loop)
 
     def _run(self, scope: dict, body: bytes, deferral: waits.Deferral) -> tuple:
         """One run of the request through Django (on a pool thread)."""
@@ -286,6 +337,7 @@ def build() -> Front:
         _django,
         fast=fastpath.otlp_traces if fastpath.enabled() else None,
         fast_json=fastjson.route if fastpath.enabled() else None,
+        inline=INLINE_ROUTES if os.environ.get("WEB_INLINE", "1") == "1" else frozenset(),
         threads=int(os.environ.get("WEB_THREADS", "8")),
         body_timeout=settings.WEB_BODY_TIMEOUT_SECONDS,
         max_body=settings.STORE_API_MAX_BODY_BYTES,

@@ -3,9 +3,9 @@
 /v1/agl/rollouts/{rollout_id}/attempts/{attempt_id}` (the attempt update that reports the
 verdict), and the two AGL 0.3's client sends for a span it adds as JSON
 (`add_otel_span`, and a reward the rollout function returns): `POST /v1/agl/spans/next` and
-`POST /v1/agl/spans`; and the resources read AGL's runner sends before every rollout, `GET
-/v1/agl/resources/{resources_id}` (without a query); as store/api/fastpath.py is for OTLP
-exports.
+`POST /v1/agl/spans`; the resources read AGL's runner sends before every rollout, `GET
+/v1/agl/resources/{resources_id}` (without a query); and its worker heartbeat, `POST
+/v1/agl/workers/{worker_id}`; as store/api/fastpath.py is for OTLP exports.
 
 The ASGI front (lightning_site/asgi.py) offers it these requests first (`route`). It answers
 only the common well-formed case: a valid key of a role the view allows, `Content-Type:
@@ -64,6 +64,8 @@ NEXT_SPAN_PATH = "/v1/agl/spans/next"
 _ROLLOUTS_PREFIX = "/v1/agl/rollouts/"
 _RESOURCES_PREFIX = "/v1/agl/resources/"
 RESOURCE_ROUTE = "/v1/agl/resources/<str:resources_id>"
+_WORKERS_PREFIX = "/v1/agl/workers/"
+WORKER_ROUTE = "/v1/agl/workers/<str:worker_id>"
 _ACCEPTS = (None, b"*/*", b"application/json")
 _JSON = b"application/json"
 
@@ -105,6 +107,12 @@ def _spans_view() -> type:
     return SpansEndpoint
 
 
+def _worker_view() -> type:
+    from store.api.urls import WorkerEndpoint
+
+    return WorkerEndpoint
+
+
 def _resource_view() -> type:
     from store.api.urls import ResourceEndpoint
 
@@ -120,6 +128,12 @@ _SPANS_ROLES = _roles(_SPANS_VIEW)
 _NEXT_SPAN_VIEW = v.NextSpanSequenceIdView
 _NEXT_SPAN_ALLOW = _allow(_NEXT_SPAN_VIEW)
 _NEXT_SPAN_ROLES = _roles(_NEXT_SPAN_VIEW)
+
+_WORKER_VIEW = _worker_view()
+_WORKER_ALLOW = _allow(_WORKER_VIEW)
+_WORKER_ROLES = _roles(_WORKER_VIEW)
+_WORKER_FIELDS = s.UpdateWorkerIn().fields
+_WORKER = s.WorkerOut()
 
 _RESOURCE_VIEW = _resource_view()
 _RESOURCE_ALLOW = _allow(_RESOURCE_VIEW)
@@ -148,6 +162,12 @@ def route(method: str, path: str, query_string: bytes) -> tuple[str, Handler] | 
         return NEXT_SPAN_PATH, next_span_sequence_id
     if path == SPANS_PATH:
         return SPANS_PATH, add_span
+    if path.startswith(_WORKERS_PREFIX):
+        worker_id = path[len(_WORKERS_PREFIX):]
+        # workers/search is another view (search workers).
+        if worker_id and "/" not in worker_id and worker_id != "search":
+            return WORKER_ROUTE, update_worker
+        return None
     if path.startswith(_ROLLOUTS_PREFIX):
         parts = path[len(_ROLLOUTS_PREFIX) :].split("/")
         # rollouts/<id>/attempts/search is another view (search attempts).
@@ -429,3 +449,31 @@ def get_resources(headers: dict[bytes, bytes], path: str, body: bytes) -> Answer
     if row is None:  # unknown (or another project's) id, a dead key: Django's words
         return None
     return _answer(_RESOURCE_ALLOW, lambda: (_RESOURCES.to_representation(row), set()))
+
+
+def _worker_fields(payload: dict) -> dict | None:
+    if "heartbeat_stats" in payload and payload["heartbeat_stats"] is None:
+        return None  # refused (UpdateWorkerView.refuse_nulls): Django's words
+    return _validated(_WORKER_FIELDS, payload)
+
+
+def update_worker(headers: dict[bytes, bytes], path: str, body: bytes) -> Answer | None:
+    """UpdateWorkerView's answer (a worker's heartbeat, which AGL 0.3's runner sends every
+    few seconds), or None: let Django answer. The view's service call, which checks the key
+    in its transaction (`live_key`)."""
+    worker_id = path[len(_WORKERS_PREFIX):]
+    if len(worker_id) > s.WORKER_ID_MAX:
+        return None
+    checked = _checked(headers, path, body, _WORKER_ROLES, _worker_fields)
+    if checked is None:
+        return None
+    key, data = checked
+    try:
+        worker = services.worker_update(project=key.project, worker_id=worker_id,
+                                        heartbeat_stats=data.get("heartbeat_stats"),
+                                        live_key=key.live_check)
+    except Exception:
+        # Rolled back (or a dead key): Django's path answers, in its words.
+        log.debug("worker update fast path: falling back to Django", exc_info=True)
+        return None
+    return _answer(_WORKER_ALLOW, lambda: (_WORKER.to_representation(worker), set()))
