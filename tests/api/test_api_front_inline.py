@@ -109,3 +109,30 @@ def test_a_locked_attempt_holds_the_loop_up_only_briefly(project, key):
     assert answers["span"].status_code == 201, answers["span"].text
     assert json.loads(answers["span"].content)["rollout_id"] == rollout.pk
     assert Span.objects.filter(attempt_id=attempt.pk).count() == 1
+
+
+def _sessions_opened() -> int:
+    """Sessions ever opened on the test database (counted by Postgres, flushed within 1 s)."""
+    time.sleep(1.5)
+    with psycopg.connect(database_url_for_tests(), autocommit=True) as db:
+        return db.execute("SELECT sessions FROM pg_stat_database WHERE datname = "
+                          "current_database()").fetchone()[0]
+
+
+def test_the_loop_keeps_one_connection_across_requests_and_clients(project, key):
+    """Django's connections are per context in an event loop (asgiref's Local): the inline
+    path must reuse the loop thread's connection, not open one per request."""
+    resources_id = services.resources_add(
+        project=project, resources={"llm": {"resource_type": "llm"}}).resource_set.resources_id
+    server = start_server(workers=1, threads=2, env={"WEB_INLINE": "1"})
+    try:
+        with http(server, key) as client:  # the key cached, the loop's connection open
+            assert client.get(f"/resources/{resources_id}").status_code == 200
+        before = _sessions_opened()
+        for _ in range(30):  # each on a new HTTP connection (a new task and context)
+            with http(server, key) as client:
+                assert client.get(f"/resources/{resources_id}").status_code == 200
+        opened = _sessions_opened() - before
+    finally:
+        server.stop()
+    assert opened <= 3, f"{opened} database sessions opened for 30 requests"
