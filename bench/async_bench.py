@@ -21,8 +21,10 @@ worker -Q rollouts -c --concurrency` and `-Q training -c 1`).
 
 For each run: wall time from the job's start to its last step done, the rollout workers' busy
 fraction (attempt seconds / (wall x slots)), the training worker's busy fraction (train seconds
-/ wall), the staleness of the samples used, and the validation reward per step (measured on
-the version the step's rollouts pinned). Last line, exactly (one line):
+/ wall), the staleness of the samples used, the means over the training steps of the
+off-policy metrics (staleness, stale tokens, importance weights, the engine's logprob
+rounding), the gateway's seconds per LLM call (its spans; LLM example), and the validation
+reward per step (measured on the version the step's rollouts pinned). Last line, exactly (one line):
 
     async speedup=<wall_sync/wall_async> max_staleness_seen=<k> bound=<s>
     reward_sync=<r> reward_async=<r>
