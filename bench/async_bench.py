@@ -21,8 +21,10 @@ worker -Q rollouts -c --concurrency` and `-Q training -c 1`).
 
 For each run: wall time from the job's start to its last step done, the rollout workers' busy
 fraction (attempt seconds / (wall x slots)), the training worker's busy fraction (train seconds
-/ wall), the staleness of the samples used, and the validation reward per step (measured on
-the version the step's rollouts pinned). Last line, exactly (one line):
+/ wall), the staleness of the samples used, the means over the training steps of the
+off-policy metrics (staleness, stale tokens, importance weights, the engine's logprob
+rounding), the gateway's seconds per LLM call (its spans; LLM example), and the validation
+reward per step (measured on the version the step's rollouts pinned). Last line, exactly (one line):
 
     async speedup=<wall_sync/wall_async> max_staleness_seen=<k> bound=<s>
     reward_sync=<r> reward_async=<r>
@@ -169,10 +171,37 @@ def _report(job_id: int, wall: float, slots: int) -> dict:
           f"step done, planned)): step 0 {waits[0]:.1f}s, steps 1-{len(steps) - 2} median "
           f"{statistics.median(waits[1:-1]):.1f}s, last training step {waits[-2]:.1f}s, "
           f"final evaluation {waits[-1]:.1f}s")
+    _off_policy(tag, steps)
+    _llm_calls(tag, job)
     rewards = "  ".join(f"{s.n}:{s.metrics['val_reward']:.3f}@v{s.resources_version}"
                         for s in steps if "val_reward" in s.metrics)
     print(f"{tag} validation reward per step (step:reward@version) {rewards}")
     return {"wall": wall, "seen": seen, "reward": steps[-1].metrics.get("val_reward", 0.0)}
+
+
+def _off_policy(tag: str, steps: list) -> None:
+    """Means over the training steps of the staleness and importance-weight metrics."""
+    keys = ("staleness_mean", "stale_token_fraction", "is_weight_mean", "is_weight_max",
+            "is_weight_truncated_fraction", "recorded_logprob_max_diff")
+    means = {k: statistics.mean(vs) for k in keys
+             if (vs := [s.metrics[k] for s in steps if k in s.metrics])}
+    if means:
+        print(f"{tag} per training step, mean: "
+              + ", ".join(f"{k} {v:.3g}" for k, v in means.items()))
+
+
+def _llm_calls(tag: str, job) -> None:
+    """How long the gateway took per LLM call (its spans), beside the episodes' sleeps."""
+    from store.models import Span
+    from trainer import conventions, selectors
+
+    times = sorted(end - start for start, end in Span.objects.filter(
+        rollout__in=selectors.job_rollouts(job=job), name=conventions.LLM_CALL_SPAN,
+        start_time__isnull=False, end_time__isnull=False).values_list("start_time", "end_time"))
+    if times:
+        print(f"{tag} LLM calls {len(times)}: gateway seconds per call p50 "
+              f"{times[len(times) // 2]:.2f} p90 {times[int(len(times) * 0.9)]:.2f} "
+              f"mean {statistics.mean(times):.2f}")
 
 
 def _waits(steps: list) -> list[float]:

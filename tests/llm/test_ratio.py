@@ -228,3 +228,30 @@ def test_a_later_prompt_starts_from_an_earlier_prompts_prefix(tiny, monkeypatch)
     full = alone(prefix + "22")
     assert cached.token_ids == full.token_ids
     assert cached.logprobs == pytest.approx(full.logprobs, abs=1e-4)
+
+
+def test_a_synchronous_update_does_not_depend_on_the_engines_rounding(tiny):
+    """The engine's recorded logprobs differ from the trainer's by float rounding that depends
+    on which requests shared its batch (timing); a synchronous step recomputes them with its
+    starting weights, so the same samples give the same checkpoint bit for bit."""
+    from safetensors.torch import load_file
+
+    from trainer.algorithms import algorithm_load
+
+    engine = Engine(tiny, device="cpu")
+    seqs = generated(engine)
+    weights, gaps = [], []
+    for nudge in (0.0, 1e-6):
+        samples = samples_of(seqs)
+        for s in samples:  # as another batch's rounding would have recorded them
+            s.old_logprobs = [x + nudge if m else x for x, m in zip(s.old_logprobs, s.mask,
+                                                                   strict=True)]
+        algorithm = algorithm_load("grpo_lm", {"model": str(tiny), "seed": 3, "epochs": 2,
+                                               "lr": 1e-2})
+        update = algorithm.update(step=0, state={"dir": str(tiny)}, samples=samples,
+                                  device="cpu")
+        weights.append(load_file(f"{update.state['dir']}/model.safetensors"))
+        gaps.append(update.metrics["recorded_logprob_max_diff"])
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert gaps[0] < 1e-5 and gaps[1] == pytest.approx(gaps[0] + 1e-6, abs=1e-5)
