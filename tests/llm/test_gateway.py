@@ -258,3 +258,60 @@ def test_upstream_mode_records_the_upstreams_token_ids(gateway_server, keyed, mo
         assert a[c.LLM_PROMPT_IDS]
     finally:
         server.stop()
+
+
+class _AnswerLost(httpx.HTTPTransport):
+    """The first request is served in full, then its answer is lost (a read timeout, as an
+    agent's client sees under load); the rest go through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tries = 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.tries += 1
+        response = super().handle_request(request)
+        if self.tries == 1:
+            response.read()
+            raise httpx.ReadTimeout("the answer was lost", request=request)
+        return response
+
+
+def test_the_openai_clients_retry_of_a_call_without_a_key_is_recorded_once(gateway_server,
+                                                                            keyed):
+    """The openai client's own retry (no idempotency key, `x-stainless-retry-count: 1`) of a
+    call whose answer it lost: one call recorded, the retry answered under its response id
+    (trainer/llm/retries.py)."""
+    _, base = gateway_server
+    project, key, *_ = keyed
+    rid, aid = started_attempt(project)
+    lossy = _AnswerLost()
+    agent = openai.OpenAI(base_url=f"{base}/rollout/{rid}/attempt/{aid}/v1", api_key=key,
+                          max_retries=1, http_client=httpx.Client(transport=lossy))
+    reply = agent.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3,
+                                          seed=5, temperature=1.0)
+    assert lossy.tries == 2
+    spans = llm_spans(rid)
+    assert len(spans) == 1
+    assert spans[0].attributes["gen_ai.response.id"] == reply.id
+    # The same body again, not as a retry: a new call of the agent's.
+    again = client(base, key, rid, aid).chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=3, seed=5, temperature=1.0)
+    assert again.id != reply.id and len(llm_spans(rid)) == 2
+
+
+def test_a_retry_header_with_another_body_is_a_new_call(gateway_server, keyed):
+    _, base = gateway_server
+    project, key, *_ = keyed
+    rid, aid = started_attempt(project)
+    http = httpx.Client(base_url=f"{base}/rollout/{rid}/attempt/{aid}/v1",
+                        headers={"Authorization": f"Bearer {key}"})
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2}
+    first = http.post("/chat/completions", json=body, headers={"x-stainless-retry-count": "0"})
+    other = http.post("/chat/completions", json={**body, "max_tokens": 3},
+                      headers={"x-stainless-retry-count": "1"})
+    retry = http.post("/chat/completions", json={**body, "max_tokens": 3},
+                      headers={"x-stainless-retry-count": "2"})
+    assert [a.status_code for a in (first, other, retry)] == [200, 200, 200]
+    assert first.json()["id"] != other.json()["id"] == retry.json()["id"]
+    assert len(llm_spans(rid)) == 2

@@ -47,6 +47,7 @@ from trainer.llm.engine import Engine, PromptTooLong, Sequence_
 from trainer.llm.metrics import record_completion, record_turn
 from trainer.llm.openai_api import BadRequest, Parsed, chunk, parse, response, usage
 from trainer.llm.registry import Registry, Space, UnknownModel
+from trainer.llm.retries import RETRY_HEADER, Retries
 from trainer.llm.turns import Turns
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class Gateway:
             self.upstream_loras = UpstreamLoRAs(upstream, keep=upstream_keep)
         self.recorder = calls.Recorder()
         self.turns = Turns()  # each attempt's last call: does the next one extend it?
+        self.retries = Retries()  # each attempt's last keyless call: is the next its retry?
         self.poll_seconds = poll_seconds
         self._watched: dict[tuple[int, str], str] = {}
         self._failures: dict[Space, int] = {}  # failed preloads in a row, per space (backoff)
@@ -308,11 +310,19 @@ class Gateway:
     def _prepare_attributed(self, request: Request, parsed: Parsed, project: Project,
                             attribution: calls.Attribution | None) -> _Prepared:
         key = request.headers.get("idempotency-key") or request.headers.get("x-request-id")
+        digest, fresh = None, False
+        if attribution is not None:
+            digest = calls.request_sha256(parsed.body)
+            if not key:  # a client's retry of a keyless call is that call (trainer/llm/retries)
+                key, retry = self.retries.key_for(attribution, digest,
+                                                  request.headers.get(RETRY_HEADER))
+                fresh = not retry
         prepared = _Prepared(parsed, project, attribution, key)
         if key and attribution is not None:
-            prepared.request_sha256 = calls.request_sha256(parsed.body)
+            prepared.request_sha256 = digest
             try:
-                calls.check_key(attribution, key, prepared.request_sha256)
+                if not fresh:  # a key of our own making, new: nothing recorded under it yet
+                    calls.check_key(attribution, key, digest)
             except calls.KeyReused as exc:
                 raise BadRequest(str(exc), status=422, code="idempotency_key_reused") from None
         if self.upstream is not None:
