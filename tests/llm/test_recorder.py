@@ -9,6 +9,7 @@ import time
 
 from django.db import transaction
 
+from store import services
 from store.models import Attempt, Span
 from trainer.llm import calls
 from trainer.llm.engine import Params, Sequence_
@@ -45,11 +46,13 @@ def _span_pk(pending: calls.Pending) -> int:
 
 
 def test_a_backlog_of_one_project_waits_its_turn_behind_another_projects_call(keyed):
-    """One writer, A's write held: 40 more calls of A queue, then B's one. B's call is the
-    next turn (before any of A's backlog, stored in turns of at most 16 calls), not after
-    all of A's calls as with one queue for all tenants."""
+    """One writer, A's write held: 40 more calls of A queue, then B's one, then 20 of C's.
+    B's call is the next turn (before any of A's backlog), not after all of A's calls as
+    with one queue for all tenants; A and C then take turns of at most 16 calls while the
+    other waits, and the last one left writes the rest of its calls at once."""
     project, _, other, _ = keyed
-    a, b = _attribution(project), _attribution(other)
+    third = services.project_create(name="llm-third")
+    a, b, c = _attribution(project), _attribution(other), _attribution(third)
     recorder = calls.Recorder(writers=1, turn_calls=16)
     try:
         with transaction.atomic():
@@ -59,12 +62,17 @@ def test_a_backlog_of_one_project_waits_its_turn_behind_another_projects_call(ke
             _writing(first)
             backlog = [recorder.submit(a, _call()) for _ in range(40)]
             b_call = recorder.submit(b, _call())
-        for pending in [first, *backlog, b_call]:
+            c_calls = [recorder.submit(c, _call()) for _ in range(20)]
+        for pending in [first, *backlog, b_call, *c_calls]:
             assert pending.done.wait(60) and pending.error is None
     finally:
         recorder.close()
-    assert b_call.group == 1 and b_call.began < min(p.began for p in backlog)
-    assert [p.group for p in backlog] == [16] * 32 + [8] * 8
+    assert b_call.group == 1 and b_call.began < min(p.began for p in backlog + c_calls)
+    assert [p.group for p in c_calls] == [16] * 16 + [4] * 4
+    assert [p.group for p in backlog] == [16] * 16 + [24] * 24
+    turns = sorted({(p.began, name) for name, ps in (("a", backlog), ("c", c_calls))
+                    for p in ps})
+    assert [name for _, name in turns] == ["c", "a", "c", "a"]
     assert _span_pk(first) < _span_pk(b_call) < min(_span_pk(p) for p in backlog)
     stored = [_span_pk(p) for p in backlog]
     assert stored == sorted(stored)  # a project's calls are stored in the order they came

@@ -254,13 +254,13 @@ def spans_of(attribution: Attribution, call: Call) -> list[dict[str, Any]]:
 class Recorder:
     """Group commit, tenants in turn: each project's calls queue apart, and `writers` threads
     take the projects in turn (round robin); a turn stores one project's oldest calls, at most
-    `turn_calls` of them, in one store write (one transaction), and each caller returns once
-    its spans are stored. A project is written by one writer at a time (its calls are stored
-    in the order they came), so with two writers or more another project's call takes a free
-    writer instead of waiting behind a flood's write, and with more projects than writers it
-    waits for at most one bounded turn of each project before it (README "The model
-    gateway"). A write that fails is retried call by call, so one bad call does not fail the
-    others."""
+    `turn_calls` of them while another project waits (else all), in one store write (one
+    transaction), and each caller returns once its spans are stored. A project is written by
+    one writer at a time (its calls are stored in the order they came), so with two writers
+    or more another project's call takes a free writer instead of waiting behind a flood's
+    write, and with more projects than writers it waits for at most one bounded turn of each
+    project before it (README "The model gateway"). A write that fails is retried call by
+    call, so one bad call does not fail the others."""
 
     def __init__(self, *, writers: int = 2, turn_calls: int = 16) -> None:
         if writers < 1 or turn_calls < 1:
@@ -318,7 +318,9 @@ class Recorder:
                     break
                 project_id = self._turns.popleft()
                 queued = self._queues[project_id]
-                turn = [queued.popleft() for _ in range(min(self.turn_calls, len(queued)))]
+                # a bounded turn while another project waits; alone, one write for all
+                size = min(self.turn_calls, len(queued)) if self._turns else len(queued)
+                turn = [queued.popleft() for _ in range(size)]
             close_old_connections()
             self._write(turn)
             with self._cond:
