@@ -388,6 +388,11 @@ LLM_GATEWAY_PROJECT_IDLE_MS = env_float("LLM_GATEWAY_PROJECT_IDLE_MS", 500.0, mi
 # its Postgres connection (README "Deploy": the connection budget); a call holds one only
 # while it touches the database, not while it waits for the engine.
 LLM_GATEWAY_THREADS = env_int("LLM_GATEWAY_THREADS", 64, minimum=1)
+# The recorder (trainer/llm/calls.py): threads that store calls' spans, each with its Postgres
+# connection, taking the projects in turn; a turn stores at most this many calls of one project
+# in one write. Two writers or more: one project's write never delays another's call.
+LLM_GATEWAY_RECORD_WRITERS = env_int("LLM_GATEWAY_RECORD_WRITERS", 2, minimum=1)
+LLM_GATEWAY_RECORD_TURN_CALLS = env_int("LLM_GATEWAY_RECORD_TURN_CALLS", 16, minimum=1)
 # LoRA versions as adapters on one shared copy of their base (trainer/llm/adapters.py: memory
 # for many jobs/versions of one base), instead of a merged copy each (fastest decoding; measured
 # on SmolLM2-135M, 2 busy CPU cores: 24.6 against 29.3 tokens/s with one torch thread, 6.7

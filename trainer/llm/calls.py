@@ -15,12 +15,12 @@ import functools
 import hashlib
 import json
 import logging
-import queue
 import re
 import secrets
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -252,15 +252,29 @@ def spans_of(attribution: Attribution, call: Call) -> list[dict[str, Any]]:
 
 
 class Recorder:
-    """Group commit: calls that finish together are recorded in one store write (one
-    transaction per project), and each caller returns once its spans are stored. A write that
-    fails is retried call by call, so one bad call does not fail the others."""
+    """Group commit, tenants in turn: each project's calls queue apart, and `writers` threads
+    take the projects in turn (round robin); a turn stores one project's oldest calls, at most
+    `turn_calls` of them while another project waits (else all), in one store write (one
+    transaction), and each caller returns once its spans are stored. A project is written by
+    one writer at a time (its calls are stored in the order they came), so with two writers
+    or more another project's call takes a free writer instead of waiting behind a flood's
+    write, and with more projects than writers it waits for at most one bounded turn of each
+    project before it (README "The model gateway"). A write that fails is retried call by
+    call, so one bad call does not fail the others."""
 
-    def __init__(self) -> None:
-        self._queue: queue.Queue[Pending | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name="llm-recorder", daemon=True)
-        self._thread.start()
+    def __init__(self, *, writers: int = 2, turn_calls: int = 16) -> None:
+        if writers < 1 or turn_calls < 1:
+            raise ValueError("a recorder needs at least one writer and one call a turn")
+        self.turn_calls = turn_calls
+        self._cond = threading.Condition()
+        self._queues: dict[int, deque[Pending]] = {}  # per project, oldest first
+        self._turns: deque[int] = deque()  # projects with calls queued and no writer, in turn
+        self._closing = False
         self.writes = 0
+        self._threads = [threading.Thread(target=self._loop, name=f"llm-recorder-{i}",
+                                          daemon=True) for i in range(writers)]
+        for thread in self._threads:
+            thread.start()
 
     def record(self, attribution: Attribution, call: Call,
                timeout: float = RECORD_TIMEOUT) -> None:
@@ -272,44 +286,58 @@ class Recorder:
 
     def submit(self, attribution: Attribution, call: Call,
                on_done: Callable[[Pending], None] | None = None) -> Pending:
-        """Queue the call's spans; `on_done(pending)` is called on the recorder's thread once
+        """Queue the call's spans; `on_done(pending)` is called on a writer's thread once
         they are stored or failed (`pending.error`)."""
         pending = Pending(attribution, spans_of(attribution, call), on_done=on_done)
-        self._queue.put(pending)
+        project_id = attribution.project.pk
+        with self._cond:
+            queued = self._queues.get(project_id)
+            if queued is None:  # no call queued and no writer on it: its turn comes
+                queued = self._queues[project_id] = deque()
+                self._turns.append(project_id)
+                self._cond.notify()
+            queued.append(pending)
         return pending
 
     def close(self) -> None:
-        """Record what is queued, then stop (closing the thread's database connection)."""
-        self._queue.put(None)
-        self._thread.join(30)
+        """Record what is queued, then stop (closing the writers' database connections)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join(30)
 
     def _loop(self) -> None:
         from django.db import close_old_connections, connections
 
-        stop = False
-        while not stop:
-            batch = [self._queue.get()]
-            while True:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
+        while True:
+            with self._cond:
+                while not self._turns and not self._closing:
+                    self._cond.wait()
+                if not self._turns:  # closing, nothing waiting (a busy writer ends its own)
                     break
-            stop = None in batch
-            batch = [p for p in batch if p is not None]
+                project_id = self._turns.popleft()
+                queued = self._queues[project_id]
+                # a bounded turn while another project waits; alone, one write for all
+                size = min(self.turn_calls, len(queued)) if self._turns else len(queued)
+                turn = [queued.popleft() for _ in range(size)]
             close_old_connections()
-            by_project: dict[int, list[Pending]] = {}
-            for pending in batch:
-                by_project.setdefault(pending.attribution.project.pk, []).append(pending)
-            for group in by_project.values():
-                self._write(group)
+            self._write(turn)
+            with self._cond:
+                if queued:  # more of this project's calls came: behind the others' turns
+                    self._turns.append(project_id)
+                    self._cond.notify()
+                else:
+                    del self._queues[project_id]
         connections.close_all()
 
     def _write(self, group: list[Pending]) -> None:
         began = time.perf_counter()
         for pending in group:
             pending.began, pending.group = began, len(group)
-        try:
+        with self._cond:
             self.writes += 1
+        try:
             store_services.spans_ingest(project=group[0].attribution.project,
                                         spans=[s for p in group for s in p.spans])
         except Exception:

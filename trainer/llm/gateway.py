@@ -53,8 +53,8 @@ from trainer.llm.turns import Turns
 log = logging.getLogger(__name__)
 # Threads that do a call's database work (authentication of a key not cached, attribution;
 # each with its connection; none waits for the engine or the store; spans are written by the
-# recorder's thread): the gateway's share of Postgres connections (README "Deploy", the
-# budget).
+# recorder's writers, calls.Recorder): the gateway's share of Postgres connections (README
+# "Deploy", the budget).
 DB_THREADS = 64
 
 
@@ -64,7 +64,8 @@ class Gateway:
                  max_body_bytes: int = 4 * 2**20, body_timeout: float = 30.0,
                  max_tokens: int | None = 4096, max_sequences_per_project: int = 256,
                  threads: int = DB_THREADS, runtime_lora: bool = False,
-                 upstream_keep: int = 2) -> None:
+                 upstream_keep: int = 2, record_writers: int = 2,
+                 record_turn_calls: int = 16) -> None:
         self.registry = registry or Registry()
         # Limits a request meets before any work is done for it (README "Model gateway").
         self.max_body_bytes, self.body_timeout = max_body_bytes, body_timeout
@@ -81,7 +82,7 @@ class Gateway:
             from trainer.llm.upstream_lora import UpstreamLoRAs
 
             self.upstream_loras = UpstreamLoRAs(upstream, keep=upstream_keep)
-        self.recorder = calls.Recorder()
+        self.recorder = calls.Recorder(writers=record_writers, turn_calls=record_turn_calls)
         self.turns = Turns()  # each attempt's last call: does the next one extend it?
         self.retries = Retries()  # each attempt's last keyless call: is the next its retry?
         self.poll_seconds = poll_seconds
@@ -446,9 +447,9 @@ class Gateway:
                 self._in_flight.pop(project_id, None)
 
     async def _record(self, prepared: _Prepared, started: float) -> None:
-        """The call's spans stored before it is answered: built here, written with the calls
-        that finish meanwhile by the recorder's thread (group commit), which wakes this
-        coroutine (no thread waits for the store)."""
+        """The call's spans stored before it is answered: built here, written with its
+        project's calls that finish meanwhile by one of the recorder's writers (group commit,
+        projects in turn), which wakes this coroutine (no thread waits for the store)."""
         record_completion(model=prepared.model_name, prompt_tokens=len(prepared.prompt_ids),
                           completion_tokens=sum(len(s.token_ids) for s in prepared.choices),
                           seconds=time.time() - started)
@@ -472,7 +473,7 @@ class Gateway:
         mailbox = self._mailbox()
         stored = mailbox.loop.create_future()
 
-        def wake(pending: calls.Pending) -> None:  # on the recorder's thread
+        def wake(pending: calls.Pending) -> None:  # on a recorder's writer
             mailbox.post(_settle, stored, pending.error)
 
         prepared.pending = self.recorder.submit(prepared.attribution, call, on_done=wake)
@@ -809,7 +810,7 @@ def _server_timing(marks: list[float], prepared: _Prepared) -> str:
         parts["wake"] = (woken - decoded) * 1000
     pending = prepared.pending
     if pending is not None and pending.began and len(marks) > 5:
-        # the recorder's queue (the write before), then the group's write and the wakeup
+        # the recorder's queue (its project's turn), then the group's write and the wakeup
         parts["store_queue"] = (pending.began - pending.queued) * 1000
         parts["store"] = (marks[5] - pending.began) * 1000
         parts["store_group"] = pending.group

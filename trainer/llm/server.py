@@ -60,6 +60,8 @@ def build_gateway(*, models: list[str] | None = None, upstream_url: str | None =
         threads=settings.LLM_GATEWAY_THREADS,
         runtime_lora=settings.LLM_GATEWAY_ALLOW_RUNTIME_LORA_UPDATING,
         upstream_keep=settings.LLM_GATEWAY_MAX_VERSIONS,
+        record_writers=settings.LLM_GATEWAY_RECORD_WRITERS,
+        record_turn_calls=settings.LLM_GATEWAY_RECORD_TURN_CALLS,
     )
     try:
         for spec in [*settings.LLM_GATEWAY_MODELS, *(models or [])]:
