@@ -27,8 +27,8 @@ from runners.held_slots import HeldSlotRecorder, held_slots_forget
 from runners.local_gateway import LocalGateway
 from runners.models import CeleryWorker
 from runners.usage import UsageMeter
-from store import services as store_services
 from store import rules, watchdog
+from store import services as store_services
 from store.errors import IllegalTransition, InvalidInput
 from store.models import Attempt, Project, Rollout
 from store.services import Dispatch, RolloutSpec
