@@ -15,7 +15,7 @@ from runners import services as runner_services
 from store import services
 from store.models import Attempt, Rollout
 from store.services import RolloutSpec
-from tests.celery_fixtures import wait_until
+from tests.celery_fixtures import use_broker, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 SLEEPY = "tests.celery_agents:looping_agent"  # runs task["seconds"], then succeeds
@@ -172,3 +172,26 @@ def test_a_rollout_whose_message_ran_a_shorter_one_is_owed_a_message_at_once(
 
     wait_until(long_done, timeout=60)
     assert Rollout.objects.get(pk=long.pk).dispatch_count == 2
+
+
+def test_a_rollout_whose_message_ran_one_never_published_is_owed_a_message_at_once(
+        project, broker_url, sending_to, celery_workers):
+    """The first rollout's message was never published (the broker was unreachable for the
+    sender: owed, for the next reconcile); the second's message (a ticket) runs the first,
+    the older one. The second then has no message: it is owed one now, and the next
+    reconcile (here called by hand, with the 300 s age) sends it. Before, its row said sent
+    and it waited for the re-send age (tests/test_chaos.py: 9 rollouts, 300 s)."""
+    celery_workers(queues=["rollouts"], broker_url=broker_url, concurrency=1)
+    busy = _enqueue(project, 1, seconds=2.0)[0]
+    wait_until(lambda: Rollout.objects.get(pk=busy.pk).status == "running", timeout=120)
+    with use_broker("redis://127.0.0.1:18604/0"):  # nothing listens there
+        unsent = _enqueue(project, 1)[0]
+    assert Rollout.objects.get(pk=unsent.pk).dispatched_at is None
+    second = _enqueue(project, 1)[0]
+    wait_until(lambda: Rollout.objects.get(pk=unsent.pk).status == "succeeded", timeout=120)
+
+    def second_done() -> bool:
+        runner_services.rollouts_redispatch(resend_after_seconds=300)
+        return Rollout.objects.get(pk=second.pk).status == "succeeded"
+
+    wait_until(second_done, timeout=60)
