@@ -26,7 +26,10 @@ from store import services
 from store.models import Project
 
 ROOT = Path(__file__).resolve().parents[2]
-PORTS = range(18000, 18100)
+# Under pytest-xdist (`./lightning test` runs two worker processes) each worker scans its own
+# slice of the range first: two workers probing the same free port at once would both take it.
+_WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+PORTS = [18000 + (i + 25 * _WORKER) % 100 for i in range(100)]
 
 
 def free_port(exclude: set[int] | frozenset[int] = frozenset()) -> int:
