@@ -98,6 +98,31 @@ with transaction.atomic(), connection.cursor() as cursor:
 print(json.dumps(read))
 """
 
+# A transaction run in raw SQL (SAVEPOINT ... RELEASE outside any atomic block) holds the turn
+# until it ends, then another thread writes.
+RAW_TRANSACTION = SETUP + """
+with connection.cursor() as cursor:
+    cursor.execute("SAVEPOINT raw")
+    cursor.execute("INSERT INTO probe VALUES (0, 0, 'raw')")
+    cursor.execute("RELEASE raw")
+done = []
+
+def writer():
+    try:
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute("INSERT INTO probe VALUES (1, 0, 'after')")
+        done.append("written")
+    except OperationalError as error:
+        done.append(str(error))
+    finally:
+        connections.close_all()
+
+thread = threading.Thread(target=writer)
+thread.start()
+thread.join()
+print(json.dumps(done))
+"""
+
 # Another process holds the file's write lock; a thread here writes once it is let go.
 OTHER_PROCESS = SETUP + """
 import sqlite3, time
@@ -156,6 +181,11 @@ def test_threads_of_one_process_writing_the_embedded_file_queue_without_locked_e
 
 def test_a_read_outside_a_transaction_needs_no_turn(tmp_path):
     assert run(tmp_path, READER) == ["committed", "read while held"]
+
+
+def test_a_transaction_in_raw_sql_gives_the_turn_back_when_it_ends(tmp_path):
+    assert run(tmp_path, RAW_TRANSACTION) == ["written"]
+    assert rows(tmp_path, "SELECT note FROM probe ORDER BY thread") == [("raw",), ("after",)]
 
 
 def test_another_process_holding_the_file_still_keeps_this_process_writers_out(tmp_path):

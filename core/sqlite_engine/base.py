@@ -8,25 +8,24 @@ long after the lock is free, the writes that do get through run far apart, and s
 the whole timeout ("database is locked"). So here each write transaction first takes a lock of
 this process per database file, before `BEGIN IMMEDIATE`, and gives it back when the
 transaction commits, rolls back or its connection closes: a thread of this process blocks on
-that lock and is woken the moment the previous writer is done. (A plain lock, not first come
-first served: a queue that hands the turn to the longest waiter left the file idle while the
-woken thread waited for the GIL, and wrote slower in bench/async_bench.py's workload.) A write outside a
-transaction (autocommit: `QuerySet.update()`, `Model.save()`) takes its turn the same way for
-its statement; reads outside a transaction (SELECT) take none (WAL lets them run beside the
-writer). Nested atomic blocks are savepoints inside the transaction that holds the turn.
-Other processes on the same file (a `manage.py` command) are still kept apart by SQLite's own
-lock and busy timeout, taken after this lock. A turn not had within the connection's
-`timeout` raises "database is locked", as SQLite would.
+that lock and gets it, first come first served, the moment the writers before it are done.
+A write outside a transaction (autocommit: `QuerySet.update()`, `Model.save()`) takes its turn
+the same way for its statement; reads outside a transaction (SELECT) take none (WAL lets them
+run beside the writer). Nested atomic blocks are savepoints inside the transaction that holds
+the turn. Other processes on the same file (a `manage.py` command) are still kept apart by
+SQLite's own lock and busy timeout, taken after this lock. A turn not had within the
+connection's `timeout` raises "database is locked", as SQLite would.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
 
 from django.db.backends.sqlite3 import base as sqlite3_base
 from django.db.utils import OperationalError
 
-_locks: dict[str, threading.Lock] = {}
+_locks: dict[str, FileLock] = {}
 _locks_guard = threading.Lock()
 
 # Statements that never write: run outside a transaction without a turn.
@@ -34,15 +33,48 @@ _READS = ("SELECT", "EXPLAIN")
 SQLITE_DEFAULT_TIMEOUT = 5.0  # seconds: Python sqlite3's when OPTIONS give none
 
 
-def _file_lock(name: str) -> threading.Lock:
+class FileLock:
+    """A first-come first-served lock: released, it passes to the longest waiter, so a thread
+    that writes often cannot take it again and again ahead of one that waits (a plain
+    threading.Lock goes to whichever thread asks first after the release: most often the
+    one that just gave it back, since it holds the GIL)."""
+
+    def __init__(self) -> None:
+        self._mutex, self._held, self._waiters = threading.Lock(), False, deque()
+
+    def acquire(self, timeout: float) -> bool:
+        with self._mutex:
+            if not self._held:
+                self._held = True
+                return True
+            handed = threading.Lock()
+            handed.acquire()
+            self._waiters.append(handed)
+        if handed.acquire(timeout=timeout):
+            return True
+        with self._mutex:
+            if handed in self._waiters:
+                self._waiters.remove(handed)
+                return False
+        return True  # passed to this waiter between its timeout and the check
+
+    def release(self) -> None:
+        with self._mutex:
+            if self._waiters:
+                self._waiters.popleft().release()  # passed on: still held
+            else:
+                self._held = False
+
+
+def _file_lock(name: str) -> FileLock:
     with _locks_guard:
-        return _locks.setdefault(str(name), threading.Lock())
+        return _locks.setdefault(str(name), FileLock())
 
 
 class WriteTurn:
     """One connection's hold on its database file's in-process write lock."""
 
-    def __init__(self, lock: threading.Lock, timeout: float) -> None:
+    def __init__(self, lock: FileLock, timeout: float) -> None:
         self.lock, self.timeout, self.held = lock, timeout, False
 
     def take(self) -> bool:
@@ -86,15 +118,17 @@ class CursorWrapper(sqlite3_base.SQLiteCursorWrapper):
 
 class _Writing:
     def __init__(self, cursor: CursorWrapper, *, take: bool) -> None:
-        self.cursor, self.take, self.taken = cursor, take, False
+        self.cursor, self.take = cursor, take
 
     def __enter__(self) -> None:
-        self.taken = self.take and self.cursor.turn.take()
+        if self.take:
+            self.cursor.turn.take()
 
     def __exit__(self, *exc) -> None:
-        # A statement that left a transaction open (a raw BEGIN, sqlite3's implicit one with
-        # autocommit off) keeps the turn until its commit or rollback.
-        if self.taken and not self.cursor.connection.in_transaction:
+        # A statement that left a transaction open (a raw BEGIN or SAVEPOINT, sqlite3's
+        # implicit BEGIN with autocommit off) keeps the turn; one that ended it (a raw COMMIT
+        # or RELEASE, a rollback SQLite did itself) gives it back.
+        if self.cursor.turn.held and not self.cursor.connection.in_transaction:
             self.cursor.turn.give()
 
 
