@@ -148,7 +148,7 @@ def database_from_url(url: str) -> dict:
 def sqlite_database(path: Path) -> dict:
     path.parent.mkdir(parents=True, exist_ok=True)
     return {
-        "ENGINE": "django.db.backends.sqlite3",
+        "ENGINE": "core.sqlite_engine",  # Django's, with the writers of this process queued
         "NAME": str(path),
         # Seconds a writer waits for the lock before "database is locked".
         "OPTIONS": {

@@ -1,0 +1,1 @@
+"""The embedded default's SQLite engine (`ENGINE: "core.sqlite_engine"`): see base.py."""
