@@ -535,8 +535,8 @@ def span_next_sequence_id(
     statement also checks that key: KeyNotLive and nothing reserved unless it is live."""
     if count < 1:
         raise InvalidInput("count", "must be >= 1")
-    sql = _next_sequence_sql(live_key is not None)
-    params = [count, rollout_id, project.pk, *(live_key or ()), count]
+    sql, params = span_next_sequence_statement(project=project, rollout_id=rollout_id,
+                                               count=count, live_key=live_key)
     if connection.vendor == "postgresql":
         row = fetch_one_prepared(sql, params)  # prepared once per connection
     else:
@@ -547,6 +547,17 @@ def span_next_sequence_id(
         require_key_live(live_key)
         raise NotFound("rollout", rollout_id)
     return row[0]
+
+
+def span_next_sequence_statement(
+    *, project: Project, rollout_id: str, count: int = 1, live_key: LiveKey | None = None,
+) -> tuple[str, list]:
+    """`span_next_sequence_id`'s one statement and its parameters, for a caller that runs
+    it on a connection of its own (the ASGI front's awaited connections: autocommit, a
+    synchronous commit): its one row is the first id reserved; no row, nothing reserved
+    (an unknown rollout, another project's, or a dead key)."""
+    return (_next_sequence_sql(live_key is not None),
+            [count, rollout_id, project.pk, *(live_key or ()), count])
 
 
 @functools.cache
