@@ -38,7 +38,7 @@ class AwaitedConnections:
             db = connections[self.alias]
             params = db.get_connection_params()  # Django's, with its adapters ("context")
             params.pop("cursor_factory", None)  # a sync class; statements run raw here
-            params["prepare_threshold"] = None  # only what asks for it (prepare=True)
+            params["prepare_threshold"] = 2**31 - 1  # only what asks for it (prepare=True)
             params["autocommit"] = True
             self.prepare = db.settings_dict.get("PREPARED_STATEMENTS", True)
             self._params = params

@@ -173,7 +173,7 @@ def test_awaited_connections_commit_each_statement_synchronously(project):
     sql, params = services.span_next_sequence_statement(project=project, rollout_id=rollout.pk)
 
     async def run() -> tuple:
-        connections = awaited.AwaitedConnections(2)
+        connections = awaited.AwaitedConnections(1)
         try:
             setting = await connections.fetch_one(
                 b"SELECT current_setting('synchronous_commit'), "
@@ -182,14 +182,19 @@ def test_awaited_connections_commit_each_statement_synchronously(project):
             with psycopg.connect(database_url_for_tests(), autocommit=True) as other:
                 seen = other.execute("SELECT next_span_sequence_id FROM store_rollout "
                                      "WHERE id = %s", [rollout.pk]).fetchone()[0]
-            return setting, row, seen
+            # Prepared at its first run, as fetch_one_prepared's (parsed and planned once).
+            prepared = await connections.fetch_one(
+                b"SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE 'UPDATE %'",
+                [])
+            return setting, row, seen, prepared
         finally:
             await connections.close()
 
-    setting, row, seen = asyncio.run(run())
+    setting, row, seen, prepared = asyncio.run(run())
     assert setting == ("on", True)
     assert row == (1,)
     assert seen == 2
+    assert prepared == (1,)
 
 
 def test_a_busy_pool_says_so():
