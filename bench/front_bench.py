@@ -108,7 +108,8 @@ def main() -> None:
     parser.add_argument("--connections", type=int, default=16)
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--variants", default="WEB_INLINE=0,WEB_INLINE=1",
-                        help="comma-separated NAME=VALUE settings of the server, one each")
+                        help="comma-separated settings of the server, one variant each: "
+                        "NAME=VALUE, or several joined by +")
     parser.add_argument("--routes", default=",".join(ROUTES),
                         help=f"comma-separated, of: {', '.join(ROUTES)}")
     args = parser.parse_args()
@@ -118,7 +119,7 @@ def main() -> None:
     added = ab.services.resources_add(project=project, resources={"llm": {"resource_type": "llm"}})
     resources_id = added.resource_set.resources_id
     database = ab.settings.DATABASES["default"]["NAME"]
-    variants = [tuple(v.split("=", 1)) for v in args.variants.split(",")]
+    variants = args.variants.split(",")  # each NAME=VALUE[+NAME=VALUE...]
     totals = {(v, r): [0.0, 0.0] for v in variants for r in routes}
     for _ in range(args.rounds):
         for variant in variants:
@@ -132,7 +133,9 @@ def main() -> None:
                     project=project, specs=[RolloutSpec(input=i) for i in range(args.requests)])
                 verdicts = [(r.pk, a.attempt_id) for r, a in ab.services.rollout_dequeue_many(
                     project=project, worker_id="bench", limit=args.requests)]
-            os.environ[variant[0]] = variant[1]
+            for setting in variant.split("+"):
+                name, value = setting.split("=", 1)
+                os.environ[name] = value
             server = ab.start_ours("uvicorn", 1, args.threads)
             try:
                 for route in routes:
@@ -158,12 +161,13 @@ def main() -> None:
     count = (args.requests - 200) * args.rounds
     print(f"{count} requests per route and variant over {args.connections} connections, "
           f"1 server process x {args.threads} threads; load average {os.getloadavg()[0]:.2f}")
-    print(f"  {'per request, us':<16} " + " ".join(f"{'='.join(v):>24}" for v in variants))
+    width = max(24, *(len(v) for v in variants))
+    print(f"  {'per request, us':<16} " + " ".join(f"{v:>{width}}" for v in variants))
     for route in routes:
         cells = [f"{1e6 * totals[(v, route)][0] / count:9.0f} + "
                  f"{1e6 * totals[(v, route)][1] / count:5.0f} PG"
                  for v in variants]
-        print(f"  {route:<16} " + " ".join(f"{c:>24}" for c in cells))
+        print(f"  {route:<16} " + " ".join(f"{c:>{width}}" for c in cells))
 
 
 if __name__ == "__main__":
