@@ -128,11 +128,18 @@ def main() -> None:
             claimed = [(r.pk, a.attempt_id) for r, a in ab.services.rollout_dequeue_many(
                 project=project, worker_id="bench", limit=16)]
             verdicts = []
-            if "verdict" in routes:  # a claimed attempt per verdict
+            if "verdict" in routes:
+                # A claimed attempt per verdict, of one worker per client connection (as
+                # runners have: a verdict writes its worker's row); connection i sends
+                # requests i, i + connections, ...
                 ab.services.rollout_enqueue_many(
                     project=project, specs=[RolloutSpec(input=i) for i in range(args.requests)])
-                verdicts = [(r.pk, a.attempt_id) for r, a in ab.services.rollout_dequeue_many(
-                    project=project, worker_id="bench", limit=args.requests)]
+                per = -(-args.requests // args.connections)
+                by_worker = [[(r.pk, a.attempt_id) for r, a in ab.services.rollout_dequeue_many(
+                    project=project, worker_id=f"bench-{w}", limit=per)]
+                    for w in range(args.connections)]
+                verdicts = [by_worker[j % args.connections][j // args.connections]
+                            for j in range(args.requests)]
             for setting in variant.split("+"):
                 name, value = setting.split("=", 1)
                 os.environ[name] = value
