@@ -132,12 +132,16 @@ def main() -> None:
                 # A claimed attempt per verdict, of one worker per client connection (as
                 # runners have: a verdict writes its worker's row); connection i sends
                 # requests i, i + connections, ...
-                ab.services.rollout_enqueue_many(
-                    project=project, specs=[RolloutSpec(input=i) for i in range(args.requests)])
-                per = -(-args.requests // args.connections)
-                by_worker = [[(r.pk, a.attempt_id) for r, a in ab.services.rollout_dequeue_many(
-                    project=project, worker_id=f"bench-{w}", limit=per)]
-                    for w in range(args.connections)]
+                per = args.requests // args.connections + 1
+                ab.services.rollout_enqueue_many(project=project, specs=[
+                    RolloutSpec(input=i) for i in range(per * args.connections)])
+                by_worker: list[list] = [[] for _ in range(args.connections)]
+                for w, mine in enumerate(by_worker):
+                    while len(mine) < per:  # a dequeue's limit is capped
+                        mine += [(r.pk, a.attempt_id) for r, a in
+                                 ab.services.rollout_dequeue_many(
+                                     project=project, worker_id=f"bench-{w}",
+                                     limit=per - len(mine))]
                 verdicts = [by_worker[j % args.connections][j // args.connections]
                             for j in range(args.requests)]
             for setting in variant.split("+"):
