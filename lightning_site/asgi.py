@@ -32,8 +32,9 @@ What it adds over running Django under gunicorn's threads:
   synchronously (fastjson.AWAITED_ROUTES: `spans/next`, a bare verdict) are checked on the
   loop's thread too, and their statement runs on one of a few asynchronous connections of
   the process (lightning_site/awaited.py), awaited: a WAL flush, or a row lock another
-  transaction holds, holds neither the loop nor a thread (WEB_AWAITED=0, or every awaited
-  connection in use: on the threads).
+  transaction holds, holds neither the loop nor a thread (with WEB_AWAITED=1; off by default:
+  psycopg's asynchronous path cost more CPU per request than the hand-off it saves,
+  bench/front_bench.py; every awaited connection in use: on the threads).
 
 Every other request (and each run of a waiting one) goes through Django's WSGI handler on a
 pool of WEB_THREADS threads, unchanged: the same views, validation, statuses and bodies.
@@ -389,7 +390,7 @@ def build() -> Front:
         inline=INLINE_ROUTES if os.environ.get("WEB_INLINE", "1") == "1" else frozenset(),
         awaited_routes=fastjson.AWAITED_ROUTES,
         awaited_connections=(int(os.environ.get("WEB_AWAITED_CONNECTIONS", "4"))
-                             if os.environ.get("WEB_AWAITED", "1") == "1"
+                             if os.environ.get("WEB_AWAITED", "0") == "1"
                              and connections[DEFAULT_DB_ALIAS].vendor == "postgresql" else 0),
         threads=int(os.environ.get("WEB_THREADS", "8")),
         body_timeout=settings.WEB_BODY_TIMEOUT_SECONDS,
