@@ -36,12 +36,13 @@ from bench.span_routes_bench import agl_span  # noqa: E402
 from store.models import Project  # noqa: E402
 from store.services import RolloutSpec  # noqa: E402
 
-ROUTES = ("resources", "OTLP export", "spans", "heartbeat")
+ROUTES = ("resources", "OTLP export", "spans", "heartbeat", "spans/next", "verdict")
 
 
 def requests_for(route: str, key: str, resources_id: str, claimed: list, count: int
                  ) -> list[bytes]:
-    """`count` raw HTTP/1.1 requests of one route (distinct spans: each one is stored)."""
+    """`count` raw HTTP/1.1 requests of one route (distinct spans: each one is stored; a
+    verdict each for `count` claimed attempts)."""
     head = f"Host: 127.0.0.1\r\nAuthorization: Bearer {key}\r\n"
 
     def post(path: str, kind: str, body: bytes) -> bytes:
@@ -56,6 +57,12 @@ def requests_for(route: str, key: str, resources_id: str, claimed: list, count: 
         elif route == "OTLP export":
             made.append(post("/v1/traces", "application/x-protobuf",
                              otlp_export(rollout_id, attempt_id, 16)))
+        elif route == "spans/next":
+            made.append(post("/v1/agl/spans/next", "application/json", json.dumps(
+                {"rollout_id": rollout_id, "attempt_id": attempt_id}).encode()))
+        elif route == "verdict":
+            made.append(post(f"/v1/agl/rollouts/{rollout_id}/attempts/{attempt_id}",
+                             "application/json", b'{"status": "succeeded"}'))
         elif route == "spans":
             span = agl_span(rollout_id, attempt_id, index)
             span["sequence_id"] = 1000 + index
@@ -101,26 +108,51 @@ def main() -> None:
     parser.add_argument("--connections", type=int, default=16)
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--variants", default="WEB_INLINE=0,WEB_INLINE=1",
-                        help="comma-separated NAME=VALUE settings of the server, one each")
+                        help="comma-separated settings of the server, one variant each: "
+                        "NAME=VALUE, or several joined by +")
+    parser.add_argument("--routes", default=",".join(ROUTES),
+                        help=f"comma-separated, of: {', '.join(ROUTES)}")
     args = parser.parse_args()
+    routes = args.routes.split(",")
     key = ab.prepare_database()
     project = Project.objects.get()
     added = ab.services.resources_add(project=project, resources={"llm": {"resource_type": "llm"}})
     resources_id = added.resource_set.resources_id
     database = ab.settings.DATABASES["default"]["NAME"]
-    variants = [tuple(v.split("=", 1)) for v in args.variants.split(",")]
-    totals = {(v, r): [0.0, 0.0] for v in variants for r in ROUTES}
+    variants = args.variants.split(",")  # each NAME=VALUE[+NAME=VALUE...]
+    totals = {(v, r): [0.0, 0.0] for v in variants for r in routes}
     for _ in range(args.rounds):
         for variant in variants:
             ab.services.rollout_enqueue_many(project=project,
                                              specs=[RolloutSpec(input=i) for i in range(16)])
             claimed = [(r.pk, a.attempt_id) for r, a in ab.services.rollout_dequeue_many(
                 project=project, worker_id="bench", limit=16)]
-            os.environ[variant[0]] = variant[1]
+            verdicts = []
+            if "verdict" in routes:
+                # A claimed attempt per verdict, of one worker per client connection (as
+                # runners have: a verdict writes its worker's row); connection i sends
+                # requests i, i + connections, ...
+                per = args.requests // args.connections + 1
+                ab.services.rollout_enqueue_many(project=project, specs=[
+                    RolloutSpec(input=i) for i in range(per * args.connections)])
+                by_worker: list[list] = [[] for _ in range(args.connections)]
+                for w, mine in enumerate(by_worker):
+                    while len(mine) < per:  # a dequeue's limit is capped
+                        mine += [(r.pk, a.attempt_id) for r, a in
+                                 ab.services.rollout_dequeue_many(
+                                     project=project, worker_id=f"bench-{w}",
+                                     limit=per - len(mine))]
+                verdicts = [by_worker[j % args.connections][j // args.connections]
+                            for j in range(args.requests)]
+            for setting in variant.split("+"):
+                name, value = setting.split("=", 1)
+                os.environ[name] = value
             server = ab.start_ours("uvicorn", 1, args.threads)
             try:
-                for route in ROUTES:
-                    made = requests_for(route, key, resources_id, claimed, args.requests)
+                for route in routes:
+                    made = requests_for(route, key, resources_id,
+                                        verdicts if route == "verdict" else claimed,
+                                        args.requests)
                     warm = Process(target=send, args=(made[:200], args.connections))
                     warm.start()
                     warm.join()
@@ -140,12 +172,13 @@ def main() -> None:
     count = (args.requests - 200) * args.rounds
     print(f"{count} requests per route and variant over {args.connections} connections, "
           f"1 server process x {args.threads} threads; load average {os.getloadavg()[0]:.2f}")
-    print(f"  {'per request, us':<16} " + " ".join(f"{'='.join(v):>24}" for v in variants))
-    for route in ROUTES:
+    width = max(24, *(len(v) for v in variants))
+    print(f"  {'per request, us':<16} " + " ".join(f"{v:>{width}}" for v in variants))
+    for route in routes:
         cells = [f"{1e6 * totals[(v, route)][0] / count:9.0f} + "
                  f"{1e6 * totals[(v, route)][1] / count:5.0f} PG"
                  for v in variants]
-        print(f"  {route:<16} " + " ".join(f"{c:>24}" for c in cells))
+        print(f"  {route:<16} " + " ".join(f"{c:>{width}}" for c in cells))
 
 
 if __name__ == "__main__":

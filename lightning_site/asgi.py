@@ -28,7 +28,13 @@ What it adds over running Django under gunicorn's threads:
   reads or commits asynchronously (INLINE_ROUTES: the OTLP export, `spans`, the resources
   read) run on the event loop's own thread and connection, without the hand-off to a thread
   (WEB_INLINE=0: on the threads too); a row lock held by another transaction sends such a
-  request to Django's path after INLINE_LOCK_TIMEOUT_MS.
+  request to Django's path after INLINE_LOCK_TIMEOUT_MS. Those whose one statement commits
+  synchronously (fastjson.AWAITED_ROUTES: `spans/next`, a bare verdict) are checked on the
+  loop's thread too, and their statement runs on one of a few asynchronous connections of
+  the process (lightning_site/awaited.py), awaited: a WAL flush, or a row lock another
+  transaction holds, holds neither the loop nor a thread (with WEB_AWAITED=1; off by default:
+  psycopg's asynchronous path cost more CPU per request than the hand-off it saves,
+  bench/front_bench.py; every awaited connection in use: on the threads).
 
 Every other request (and each run of a waiting one) goes through Django's WSGI handler on a
 pool of WEB_THREADS threads, unchanged: the same views, validation, statuses and bodies.
@@ -55,7 +61,7 @@ from django.db import DEFAULT_DB_ALIAS, connections  # noqa: E402
 
 _django = get_wsgi_application()  # sets Django up: the imports below need it
 
-from lightning_site import handoff  # noqa: E402
+from lightning_site import awaited, handoff  # noqa: E402
 from lightning_site.metrics import http_latency, http_requests  # noqa: E402
 from store import waits, wakeups  # noqa: E402
 from store.api import fastjson, fastpath  # noqa: E402
@@ -103,13 +109,17 @@ class WaitSlots:
 class Front:
     def __init__(self, wsgi, *, threads: int, body_timeout: float, max_body: int,
                  slots: WaitSlots, fast=None, fast_json=None,  # noqa: ANN001
-                 inline: frozenset = frozenset()) -> None:
+                 inline: frozenset = frozenset(), awaited_routes: dict | None = None,
+                 awaited_connections: int = 0) -> None:
         # fast: fastpath.otlp_traces; fast_json: fastjson.route
         self.wsgi, self.fast, self.fast_json = wsgi, fast, fast_json
         self.pool = handoff.Pool(threads, name="web")
         self.body_timeout, self.max_body, self.slots = body_timeout, max_body, slots
         self.inline_routes = frozenset(inline)
         self._inline_raw = None  # the loop thread's connection, once lock_timeout is set on it
+        # fastjson.AWAITED_ROUTES' makers, and the connections their statements are awaited on
+        self.awaited_routes = dict(awaited_routes or {}) if awaited_connections > 0 else {}
+        self.awaited = awaited.AwaitedConnections(awaited_connections)
 
     async def __call__(self, scope: dict, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -124,6 +134,8 @@ class Front:
         if lean is not None:
             if lean[0] in self.inline_routes:
                 answer = self._inline(lean, scope, body)
+            elif lean[0] in self.awaited_routes:
+                answer = await self._awaited(lean, scope, body)
             else:
                 answer = await self.pool.run(self._fast, lean, scope, body)
             if answer is not None:
@@ -214,6 +226,38 @@ class Front:
             http_requests.labels(route, scope["method"], str(answer[0])).inc()
         return answer
 
+    async def _awaited(self, lean: tuple, scope: dict, body: bytes) -> tuple | None:
+        """A lean route of AWAITED_ROUTES: checked on the loop's thread (as `_inline`), its
+        one statement awaited on an awaited connection (a synchronous commit: the loop serves
+        others meanwhile). Where the maker declines, every awaited connection is in use, or
+        the statement failed or stored nothing, the thread's lean path answers as before
+        (and Django's, where that declines)."""
+        route, _ = lean
+        started = time.perf_counter()
+        try:
+            made = self._on_loop_thread(self.awaited_routes[route], dict(scope["headers"]),
+                                        scope["path"], body)
+        except Exception:  # stored nothing: the thread's path answers, in its words
+            log.debug("awaited lean path: declined", exc_info=True)
+            made = None
+        if made is not None:
+            try:
+                row = await self.awaited.fetch_one(made.sql, made.params)
+            except awaited.Busy:
+                row = answer = None
+            except Exception:  # its own transaction: nothing stored
+                log.debug("awaited lean path: the statement failed", exc_info=True)
+                row = answer = None
+            else:
+                answer = made.done(row)
+                if callable(answer):
+                    answer = await self.pool.run(answer)
+            if answer is not None:
+                http_latency.labels(route).observe(time.perf_counter() - started)
+                http_requests.labels(route, scope["method"], str(answer[0])).inc()
+                return answer
+        return await self.pool.run(self._fast, lean, scope, body)
+
     def _inline(self, lean: tuple, scope: dict, body: bytes) -> tuple | None:
         """A lean path run on the event loop's own thread, on that thread's own connection,
         for INLINE_ROUTES: their one statement is short and never waits for a WAL flush, so
@@ -222,6 +266,11 @@ class Front:
         transaction on the same rollout, a sweep) fails the statement, which stored nothing,
         and the request goes to Django's path on a thread, as any None does: the loop is never
         held up longer than that by another transaction."""
+        return self._on_loop_thread(self._fast, lean, scope, body)
+
+    def _on_loop_thread(self, fn, *args: Any) -> Any:  # noqa: ANN001
+        """`fn(*args)` on the event loop's thread, with that thread's own Django connection
+        (lock_timeout INLINE_LOCK_TIMEOUT_MS); None, as from `fn`, lets a thread answer."""
         loop = asyncio_events._get_running_loop()
         asyncio_events._set_running_loop(None)  # Django refuses queries beside a running loop
         try:
@@ -236,7 +285,7 @@ class Front:
                     db.close_if_unusable_or_obsolete()
                     return None
                 self._inline_raw = db.connection
-            answer = self._fast(lean, scope, body)
+            answer = fn(*args)
             if answer is None:
                 # As Django's request_finished does for its threads: a connection that
                 # failed is dropped, the next call opens another.
@@ -281,6 +330,7 @@ class Front:
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 self.pool.shutdown()
+                await self.awaited.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
@@ -338,6 +388,10 @@ def build() -> Front:
         fast=fastpath.otlp_traces if fastpath.enabled() else None,
         fast_json=fastjson.route if fastpath.enabled() else None,
         inline=INLINE_ROUTES if os.environ.get("WEB_INLINE", "1") == "1" else frozenset(),
+        awaited_routes=fastjson.AWAITED_ROUTES,
+        awaited_connections=(int(os.environ.get("WEB_AWAITED_CONNECTIONS", "4"))
+                             if os.environ.get("WEB_AWAITED", "0") == "1"
+                             and connections[DEFAULT_DB_ALIAS].vendor == "postgresql" else 0),
         threads=int(os.environ.get("WEB_THREADS", "8")),
         body_timeout=settings.WEB_BODY_TIMEOUT_SECONDS,
         max_body=settings.STORE_API_MAX_BODY_BYTES,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import Any
 
 
 def reset_metrics_dir() -> None:
@@ -40,9 +41,17 @@ def main(argv: list[str] | None = None) -> None:
     reset_metrics_dir()
     import uvicorn
 
+    http: Any = "auto"
+    if os.environ.get("WEB_ONE_WRITE", "1") == "1":
+        try:
+            from lightning_site.onewrite import OneWriteProtocol
+        except ImportError:  # no httptools: uvicorn's own choice
+            pass
+        else:
+            http = OneWriteProtocol
     uvicorn.run("lightning_site.asgi:application", host=args.host.strip("[]"), port=args.port,
                 workers=args.workers, log_level="warning", access_log=False,
-                timeout_keep_alive=5, timeout_graceful_shutdown=10)
+                timeout_keep_alive=5, timeout_graceful_shutdown=10, http=http)
 
 
 if __name__ == "__main__":

@@ -39,8 +39,9 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
+from django.utils import timezone
 from rest_framework.fields import SkipField, empty
 
 from store import selectors, services, watchdog
@@ -49,6 +50,8 @@ from store.api import serializers as s
 from store.api import views as v
 from store.api.auth import ANY_ROLE, LeanKey
 from store.api.base import CANCELLED_HEADER, JSONNullRenderer
+from store.services import _verdict
+from store.services._rows import native_sql
 from store.services.longpoll import rollout_dequeue_wait
 from store.statemachine import ATTEMPT_FINAL
 
@@ -477,3 +480,80 @@ def update_worker(headers: dict[bytes, bytes], path: str, body: bytes) -> Answer
         log.debug("worker update fast path: falling back to Django", exc_info=True)
         return None
     return _answer(_WORKER_ALLOW, lambda: (_WORKER.to_representation(worker), set()))
+
+
+class Awaited(NamedTuple):
+    """A lean request's one statement, for the ASGI front to run on a connection of its own
+    in autocommit and await (lightning_site/awaited.py: a synchronous commit, without holding
+    the event loop or a thread), and `done`, which makes the answer of its row (run on the
+    loop): an Answer; None when the statement stored nothing (no row: the request goes to
+    the thread's lean path, which answers it in full, Django's words included); or a
+    callable to run on a thread (it reads the database) that returns the Answer."""
+
+    sql: bytes  # Postgres' own placeholders ($1, $2, ...)
+    params: list
+    done: Callable[[tuple | None], Answer | Callable[[], Answer] | None]
+
+
+def next_span_awaited(headers: dict[bytes, bytes], path: str, body: bytes) -> Awaited | None:
+    """`next_span_sequence_id` as an Awaited (its one UPDATE, which checks the key), or None:
+    the thread's lean path answers."""
+    checked = _checked(headers, path, body, _NEXT_SPAN_ROLES, _next_span_fields)
+    if checked is None:
+        return None
+    key, data = checked
+    sql, params = services.span_next_sequence_statement(
+        project=key.project, rollout_id=data["rollout_id"], live_key=key.live_check)
+
+    def done(row: tuple | None) -> Answer | None:
+        if row is None:  # nothing reserved (unknown rollout, dead key): the full answer
+            return None
+        return _answered(_NEXT_SPAN_ALLOW, 200, b'{"sequence_id":%d}' % row[0], set())
+
+    return Awaited(native_sql(sql), params, done)
+
+
+def update_attempt_awaited(headers: dict[bytes, bytes], path: str, body: bytes
+                           ) -> Awaited | None:
+    """A bare final verdict (`{"status": ...}` alone) as an Awaited: `update_attempt`'s
+    one-statement case (store/services/_verdict.py); None for anything else (the thread's
+    lean path answers it)."""
+    checked = _checked(headers, path, body, _ATTEMPT_ROLES, _update_fields)
+    if checked is None:
+        return None
+    key, data = checked
+    rollout_id, _, attempt_id = path[len(_ROLLOUTS_PREFIX) :].split("/")
+    status = data.get("status")
+    if set(data) != {"status"} or not _verdict.possible(attempt_id, status):
+        return None
+    sql, params = _verdict.statement(key.project, rollout_id, attempt_id, status,
+                                     timezone.now(), live_key=key.live_check)
+
+    def answer(row: tuple) -> Answer:
+        # A final verdict: no cancellation to report (update_attempt's build).
+        return _answer(_ATTEMPT_ALLOW,
+                       lambda: (_ATTEMPT.to_representation(_verdict.attempt_of(row)), set()))
+
+    def done(row: tuple | None) -> Answer | Callable[[], Answer] | None:
+        if row is None:  # nothing written: the full path answers
+            return None
+        if not _verdict.needs_follow_up(row):
+            return answer(row)
+
+        def on_thread() -> Answer:
+            try:
+                _verdict.follow_up(row, rollout_id)
+            except Exception:  # committed: the answer stands; the control sweep catches up
+                log.exception("verdict: the follow-up after the commit failed")
+            return answer(row)
+
+        return on_thread
+
+    return Awaited(native_sql(sql), params, done)
+
+
+# Route label -> its Awaited maker: the lean routes whose one statement commits synchronously.
+AWAITED_ROUTES: dict[str, Callable[[dict[bytes, bytes], str, bytes], Awaited | None]] = {
+    NEXT_SPAN_PATH: next_span_awaited,
+    ATTEMPT_ROUTE: update_attempt_awaited,
+}

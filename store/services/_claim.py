@@ -70,6 +70,16 @@ def claim_queued(
     before the claim does."""
     scope = as_scope(project)
     if connection.vendor == "postgresql":
+        if not rollout_id and _cap_unread(scope):
+            # A lean request's project (its pk alone): one statement that claims only while
+            # the project has no cap (read by the statement itself) instead of a read of the
+            # cap first. Where it claims nothing (an empty queue, or a cap), the exact path
+            # below reads the cap and claims again; it recorded nothing on the worker.
+            claimed = _claim_sql(scope, worker_id, limit, now, None, False, live_key,
+                                 uncapped_only=True)
+            if claimed:
+                claimed.sort(key=lambda pair: (-pair[0].priority, pair[0].enqueue_time))
+                return claimed
         capped = _capped_to_lock(scope)
         with transaction.atomic() if capped and not connection.in_atomic_block else nullcontext():
             if capped:
@@ -93,6 +103,13 @@ def claim_queued(
 # is exact within this many seconds; until then only claims that do not overlap respect it).
 CAPS_RECHECK_SECONDS = 5.0
 _caps_seen: tuple[float, list[int]] = (-CAPS_RECHECK_SECONDS, [])
+
+
+def _cap_unread(scope: Scope) -> bool:
+    """A project-scoped claim whose project's cap was not loaded (a lean request's project,
+    by its pk alone: reading the cap would be a statement of its own)."""
+    return (scope.project is not None and scope.dispatch is None
+            and "max_concurrent_rollouts" in scope.project.get_deferred_fields())
 
 
 def _capped_to_lock(scope: Scope) -> list[int]:
@@ -275,10 +292,10 @@ _WORKER_SQL = f"""
 
 
 def _claim_sql(scope: Project | Scope, worker_id, limit, now, rollout_id, idle_if_none,
-               live_key=None) -> list[tuple[Rollout, Attempt]]:
+               live_key=None, uncapped_only: bool = False) -> list[tuple[Rollout, Attempt]]:
     scope = as_scope(scope)
     sql, defaults = _claim_statement(bool(rollout_id), bool(worker_id), live_key is not None,
-                                     scope.project is None)
+                                     scope.project is None, uncapped_only)
     params = {**defaults, "project": scope.project and scope.project.pk, "now": now,
               "worker": worker_id, "first_report": rules.first_report_seconds(),
               "ids": [rules.new_attempt_id() for _ in range(limit)],
@@ -367,12 +384,13 @@ rules.locks_in_order("project", "rollout", "worker", "party")
 
 @functools.cache
 def _claim_statement(only_named: bool, with_worker: bool, key_checked: bool = False,
-                     ticket: bool = False) -> tuple[str, dict]:
+                     ticket: bool = False, uncapped_only: bool = False) -> tuple[str, dict]:
     """The claim statement (its text never changes, so psycopg parses it once) and the
     parameters of the attempt columns that take their model default. With `key_checked`,
     it claims and records nothing unless the key `%(key)s` is live (`KEY_LIVE_SQL_NAMED`).
     With `ticket`, an unnamed claim chooses among every project's rollouts delivered by
-    `%(dispatch)s` whose timeout fits `%(fit)s` (Scope)."""
+    `%(dispatch)s` whose timeout fits `%(fit)s` (Scope). With `uncapped_only`, a project's
+    unnamed claim takes nothing when the project has a cap."""
     given = {
         "rollout_id": "p.id",
         "attempt_id": rules.ATTEMPT_ID.sql("%(ids)s", "p.n"),
@@ -406,7 +424,10 @@ def _claim_statement(only_named: bool, with_worker: bool, key_checked: bool = Fa
                 f"{rules.FITS.sql('config', '%(fit)s::float8')}")
         picked = _FAIR_SQL.format(scope="true", only=only, live=live)
     else:
-        picked = _FAIR_SQL.format(scope="pa.project_id = %(project)s", only="", live=live)
+        scope = "pa.project_id = %(project)s"
+        if uncapped_only:
+            scope += " AND j.max_concurrent_rollouts IS NULL"
+        picked = _FAIR_SQL.format(scope=scope, only="", live=live)
     sql = f"""
         WITH {picked}, ins AS (
             INSERT INTO store_attempt ({", ".join(columns)})

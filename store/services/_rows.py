@@ -242,6 +242,12 @@ def _native(sql: str) -> bytes:
     return _PLACEHOLDER.sub(placeholder, sql).encode()
 
 
+def native_sql(sql: str) -> bytes:
+    """`sql` (`%s` placeholders) as `fetch_one_prepared` runs it: Postgres' own `$1, $2, ...`
+    (converted once per text), for a caller with a connection of its own."""
+    return _native(sql)
+
+
 def fetch_one_prepared(sql: str, params: list) -> tuple | None:
     """Run one statement (Postgres) with server-side binding, prepared once per connection
     (unless DATABASE_URL says `prepared_statements=false`): its first row. For the hottest

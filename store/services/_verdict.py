@@ -59,6 +59,22 @@ def finish(project: Project, rollout_id: str, attempt_id: str, status: str, now:
            usage: Usage | None = None) -> Attempt | None:
     """The attempt as the statement left it (`status`, a final one), or None, having written
     nothing: the full path must answer."""
+    sql, params = statement(project, rollout_id, attempt_id, status, now, error=error,
+                            live_key=live_key, usage=usage)
+    row = fetch_one_prepared(sql, params)
+    if row is None:
+        return None
+    follow_up(row, rollout_id)
+    return attempt_of(row)
+
+
+def statement(project: Project, rollout_id: str, attempt_id: str, status: str, now: datetime,
+              error: str | None = None, live_key: LiveKey | None = None,
+              usage: Usage | None = None) -> tuple[str, list]:
+    """`finish`'s one statement and its parameters, for a caller that runs it on a
+    connection of its own (the ASGI front's awaited connections: autocommit, a synchronous
+    commit); then, with its row (none: nothing written), `follow_up` where
+    `needs_follow_up` says so (it reads the database), and `attempt_of`."""
     usage = usage or Usage()
     params = [
         rollout_id, attempt_id, project.pk, *(live_key or ()),  # a
@@ -71,21 +87,35 @@ def finish(project: Project, rollout_id: str, attempt_id: str, status: str, now:
         fixed_cost(usage), settings.COST_PER_1K_TOKENS, now,
         wakeups.FINISHED, str(project.pk),
     ]
-    sql = _sql(live_key is not None, status == AttemptStatus.FAILED, error is not None)
-    row = fetch_one_prepared(sql, params)
-    if row is None:
-        return None
-    width = len(Attempt._meta.concrete_fields)
-    owners, group_id = row[width], row[width + 1]
+    return _sql(live_key is not None, status == AttemptStatus.FAILED, error is not None), params
+
+
+def _width() -> int:
+    return len(Attempt._meta.concrete_fields)
+
+
+def needs_follow_up(row: tuple) -> bool:
+    """Whether the committed verdict's row asks for `follow_up`: a group it completed, or a
+    hurry-only callback that wants its rollout."""
+    owners, group_id = row[_width()], row[_width() + 1]
+    return bool(owners) or hooks.has_hurry_callbacks(grouped=group_id is not None)
+
+
+def follow_up(row: tuple, rollout_id: str) -> None:
+    """After the commit: the groups-completed callbacks of the groups it completed (as
+    on_commit would call them), and the hurry-only callbacks that want the rollout, read
+    now that it is terminal (those of grouped rollouts only skip one without a group)."""
+    owners, group_id = row[_width()], row[_width() + 1]
     if owners:
-        hooks.notify_groups_completed(sorted(set(owners)))  # committed: as on_commit would
-    # Committed: the rollout moved to the verdict (terminal); read it for the hurry-only
-    # callbacks that want it (those of grouped rollouts only skip one without a group).
+        hooks.notify_groups_completed(sorted(set(owners)))
     if hooks.has_hurry_callbacks(grouped=group_id is not None):
         rollout = Rollout.objects.filter(pk=rollout_id, status__in=ROLLOUT_TERMINAL).first()
         if rollout is not None:
             hooks.call_hurry_callbacks([rollout])
-    return row_instance(Attempt, list(row[:width]))
+
+
+def attempt_of(row: tuple) -> Attempt:
+    return row_instance(Attempt, list(row[:_width()]))
 
 
 # The worker upsert's values (`worker_writes_for_attempts` for a finished attempt: idle since
