@@ -190,6 +190,11 @@ BAD_SPECS = {
     "config_not_an_object": (_spec() | {"config": [1]},
                              "'config' must be an object of the algorithm's settings, got list"),
     "not_an_object": ([1, 2], "spec.json: a job spec must be an object (a dict), got list"),
+    "config_key_typo": (_spec(config={"lrr": 0.1}),
+                        "config.lrr: unknown key (did you mean 'lr'?): neither the trainer nor "
+                        "the algorithm 'grpo' reads it"),
+    "another_algorithms_key": (_spec(config={"kl_coef": 0.1}),
+                               "config.kl_coef: unknown key"),
 }
 
 
@@ -247,6 +252,10 @@ def test_spec_files_are_accepted_and_their_mistakes_named(tmp_path, monkeypatch,
         "needs_more.py: loading it failed: ModuleNotFoundError(\"No module named "
         "'not_installed_pkg'\")")
     assert "expected KEY=JSON" in train_error("examples.cipher", "--set", "lr")
+    # a mistyped setting is refused, not trained without (it was accepted and ignored)
+    message = train_error("examples.cipher", "--set", "stpes=3", "--set", "lrr=0.1")
+    assert message.startswith("config.lrr: unknown key (did you mean 'lr'?)")
+    assert "also unknown: stpes" in message and "Known keys: " in message
     assert TrainingJob.objects.count() == 2
 
 

@@ -13,6 +13,7 @@ from django.utils import timezone
 from examples.cipher import job_spec
 from store import selectors as store_selectors
 from store import services as store_services
+from store.errors import InvalidInput
 from store.models import ResourceVersion
 from tests.trainer_helpers import capture_sends, drive, queued_count, run_rollouts
 from trainer import services
@@ -40,6 +41,8 @@ class ExplodingGRPO(GRPO):
 
 class SlowGRPO(GRPO):
     """Trains longer than its step lease (`update_sleep` seconds per update)."""
+
+    config_keys = GRPO.config_keys | {"update_sleep"}
 
     def update(self, **kwargs):
         time.sleep(float(self.config["update_sleep"]))
@@ -218,6 +221,40 @@ def test_the_readme_algorithm_example_trains(monkeypatch):
     assert job.status == JobStatus.SUCCEEDED, job.error
     assert "loss" in job.steps.get(n=0).metrics
     assert job.steps.get(n=2).metrics["val_rollouts"] == 4
+
+
+class UndeclaredAlgorithm(GRPO):
+    """A user's algorithm that does not say which keys it reads."""
+
+    config_keys = None
+
+
+def test_a_config_key_nobody_reads_is_refused_naming_the_nearest():
+    """A mistyped key was accepted and ignored: the job trained on the default instead."""
+    spec = job_spec(seed=0, steps=1)
+    project = store_services.project_create(name="config-keys")
+
+    def create(algorithm: str = "grpo", **config) -> TrainingJob:
+        return services.job_create(
+            project=project, agent=spec["agent"], algorithm=algorithm,
+            config={**spec["config"], **config}, train_dataset=spec["train_dataset"])
+
+    with pytest.raises(InvalidInput) as raised:
+        create(lrr=0.1, update_sleep=1)
+    assert raised.value.field == "config.lrr"
+    assert raised.value.message.startswith(
+        "unknown key (did you mean 'lr'?): neither the trainer nor the algorithm 'grpo' reads "
+        "it; also unknown: update_sleep")
+    with pytest.raises(InvalidInput, match="config.kl_coef: unknown key"):  # grpo_lm's, not grpo's
+        create(kl_coef=0.1)
+    assert not TrainingJob.objects.exists()
+    # the trainer's keys, grpo's, and a subclass's own declared ones are accepted; baseline
+    # takes grpo's (it runs on the same spec); an algorithm that declares nothing is not checked
+    create("tests.test_trainer_services.SlowGRPO", update_sleep=0, lr=0.1, steps_ahead=0,
+           threshold=0.9, resources={"gpus": 0}, agents=["a"])
+    create("baseline", epochs=3)
+    create("tests.test_trainer_services.UndeclaredAlgorithm", anything=1)
+    assert TrainingJob.objects.count() == 3
 
 
 def test_the_same_seed_gives_the_same_checkpoints(monkeypatch):

@@ -14,6 +14,8 @@ class BlockOnceGRPO(GRPO):
     """The first try of a step's update writes `block_marker` and hangs (the test kills its
     worker there); later tries train normally."""
 
+    config_keys = GRPO.config_keys | {"block_marker"}
+
     def update(self, **kwargs):
         marker = Path(self.config["block_marker"])
         if not marker.exists():
@@ -25,6 +27,8 @@ class BlockOnceGRPO(GRPO):
 class SlowGRPO(GRPO):
     """Each update takes `update_seconds` longer (a training step with time to be killed in)."""
 
+    config_keys = GRPO.config_keys | {"update_seconds"}
+
     def update(self, **kwargs):
         time.sleep(float(self.config.get("update_seconds", 1.0)))
         return super().update(**kwargs)
@@ -34,6 +38,8 @@ class RankFailsGRPO(GRPO):
     """A DDP step whose rank `fail_rank` raises (or with `hang`, sleeps: a test kills it)
     after every rank wrote its pid into `pid_dir` (the others then wait in the gradient
     all-reduce for it)."""
+
+    config_keys = GRPO.config_keys | {"pid_dir", "fail_rank", "hang"}
 
     def update(self, **kwargs):
         from trainer import distributed
@@ -69,6 +75,8 @@ class GangHoldGRPO(GRPO):
     """A gang step whose every rank writes its pid into `pid_dir` (as rank<global rank>) and,
     while `hold_marker` does not exist, sleeps once all ranks are there (a test kills a
     member then); later tries train normally."""
+
+    config_keys = GRPO.config_keys | {"pid_dir", "hold_marker"}
 
     def update(self, **kwargs):
         from trainer import distributed

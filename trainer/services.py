@@ -37,7 +37,9 @@ from store.models import Project
 from store.services import RolloutSpec
 from store.statemachine import ROLLOUT_TERMINAL, RolloutConfig, RolloutStatus
 from trainer import checkpoints, delivery, distributed, pool, selectors, staleness
-from trainer.algorithms import Algorithm, algorithm_load
+from trainer.algorithms import Algorithm, algorithm_class, algorithm_load
+from trainer.algorithms.base import BASE_CONFIG_KEYS
+from trainer.config_keys import unknown_key_error
 from trainer.lease import lease_kept
 from trainer.models import (
     GROUP_OWNER,
@@ -93,6 +95,12 @@ JOB_DEFAULTS: dict[str, Any] = {
                        "retry_condition": ["timeout", "unresponsive"]},
 }
 
+# Job config keys the trainer reads that have no default: asynchronous pacing (README
+# "Asynchronous training"), routing by need ("Routing a step by what it needs") and the reward
+# a job's summary compares with (`threshold`).
+JOB_OPTIONAL_KEYS: frozenset[str] = frozenset(
+    {"steps_ahead", "consume", "partial_rollouts", "resources", "threshold"})
+
 log = logging.getLogger(__name__)
 
 
@@ -128,7 +136,15 @@ def job_create(
             raise InvalidInput(field_name, f"must be a list of tasks, got "
                                f"{type(dataset).__name__}")
     try:
-        built = algorithm_load(algorithm, merged)
+        cls = algorithm_class(algorithm)
+    except (ImportError, ValueError) as exc:
+        raise InvalidInput("algorithm", str(exc)) from None
+    declared = None if cls.config_keys is None else cls.config_keys | BASE_CONFIG_KEYS
+    if (problem := unknown_key_error(config, job_keys=set(JOB_DEFAULTS) | JOB_OPTIONAL_KEYS,
+                                     algorithm=algorithm, declared=declared)) is not None:
+        raise InvalidInput(*problem)
+    try:
+        built = cls(merged)
     except InvalidInput:
         raise
     except (ImportError, ValueError, KeyError) as exc:

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from statistics import fmean
-from typing import Any
+from typing import Any, ClassVar
 
 from trainer import checkpoints
 from trainer.algorithms.adapter import FinishedRollout, Sample, TripletAdapter
@@ -42,6 +42,10 @@ def step_seed(seed: int, step: int, index: int = 0) -> int:
     return (seed * 1_000_003 + step * 10_007 + index) % (2**31 - 1)
 
 
+# The keys the base class reads (`__init__` below): every algorithm accepts them.
+BASE_CONFIG_KEYS: frozenset[str] = frozenset({"seed", "agents", "aggregation"})
+
+
 class Algorithm(ABC):
     """Subclass this to write your own algorithm; see README "Training"."""
 
@@ -59,6 +63,11 @@ class Algorithm(ABC):
     #: with `distributed.optimizer_load` and returns `distributed.save_sharded(...)` as its
     #: state when `distributed.sharded()` (grpo.py).
     runs_fsdp: bool = False
+    #: The job config keys this algorithm reads besides the trainer's own (README "Job
+    #: config") and the base class's (`BASE_CONFIG_KEYS`). When declared, a job whose config
+    #: holds a key that nobody reads is refused at creation (a typo is an error, not a setting
+    #: silently ignored); None: not declared, not checked.
+    config_keys: ClassVar[frozenset[str] | None] = None
 
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = config

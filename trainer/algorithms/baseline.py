@@ -10,11 +10,14 @@ import torch
 
 from trainer.algorithms.adapter import Sample
 from trainer.algorithms.base import Algorithm, PlannedRollout, Update
-from trainer.algorithms.grpo import build_policy, plan_validation, policy_check
+from trainer.algorithms.grpo import GRPO, build_policy, plan_validation, policy_check
 
 
 class Baseline(Algorithm):
     trains = False
+    # It reads `policy` and `policy_kwargs`, and takes grpo's settings too: the yardstick runs
+    # on the same spec as the algorithm it measures (`--algorithm baseline`).
+    config_keys = GRPO.config_keys
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__(config)

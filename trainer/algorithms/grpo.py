@@ -110,6 +110,7 @@ def group_advantages(samples: Sequence[Sample]) -> dict[str, float]:
 class GRPO(Algorithm):
     runs_ddp = True  # world_size > 1: DDP over local ranks (trainer/distributed.py)
     runs_fsdp = True  # ... or FSDP2 with `parallel: fsdp`
+    config_keys = frozenset(DEFAULTS) | {"policy"}
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__({**DEFAULTS, **config})

@@ -79,6 +79,7 @@ class GRPOLM(Algorithm):
     # world_size > 1: DDP over the trainable parameters (the LoRA adapter's, or every weight);
     # each rank trains on its contiguous shard of the samples (trainer/distributed.py).
     runs_ddp = True
+    config_keys = frozenset(DEFAULTS) | {"model", "model_name", "lora"}
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__({**DEFAULTS, **config})
