@@ -10,6 +10,7 @@ its spans. So libraries instrumented with OpenTelemetry produce spans without co
 from __future__ import annotations
 
 import contextvars
+import math
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -176,16 +177,29 @@ def add_returned_dict(span: dict[str, Any]) -> None:
 def emit_reward(value: float | Mapping[str, float], name: str = "primary", *,
                 attributes: Mapping[str, Any] | None = None) -> None:
     """A reward span (`agentlightning.annotation` with `agentlightning.reward.N.name/value`).
-    A mapping emits several rewards in one span; `name` then says which one is primary."""
+    A mapping emits several rewards in one span; `name` then says which one is primary.
+    A reward that is not a finite number raises ValueError here, in the agent's attempt
+    (which then fails saying so), rather than becoming a span no store can hold (NaN) or a
+    reward the trainer cannot use."""
     rewards = [(name, value)] if not isinstance(value, Mapping) else sorted(
         value.items(), key=lambda item: item[0] != name
     )
     attrs: dict[str, Any] = dict(attributes or {})
     for index, (key, reward) in enumerate(rewards):
         attrs[f"agentlightning.reward.{index}.name"] = key
-        attrs[f"agentlightning.reward.{index}.value"] = float(reward)
+        attrs[f"agentlightning.reward.{index}.value"] = _finite(key, reward)
     with tracer().start_as_current_span(AGL_ANNOTATION, attributes=attrs):
         pass
+
+
+def _finite(name: str, reward: Any) -> float:
+    try:
+        value = float(reward)
+    except (TypeError, ValueError):
+        raise ValueError(f"reward {name!r} must be a number, got {reward!r}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"reward {name!r} must be a finite number, got {value}")
+    return value
 
 
 def emit_message(message: str, *, attributes: Mapping[str, Any] | None = None) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from opentelemetry import trace
 
-from runners.tracing import emit_message
+from runners.tracing import emit_message, emit_reward
 
 
 def ok_agent(task, rollout):
@@ -18,6 +18,11 @@ def ok_agent(task, rollout):
         span.set_attribute("gen_ai.prompt", f"question {task['i']}")
     emit_message(f"done {rollout.rollout_id}")
     return float(task["i"])
+
+
+def emitting_agent(task):
+    """Emits two rewards, the second the input's `x` (read as a float: "nan", "inf")."""
+    emit_reward({"primary": 1.0, "other": float(task["x"])})
 
 
 def noop_agent(task):

@@ -90,6 +90,25 @@ def test_agent_exception_fails_the_attempt_with_the_error_recorded(project):
     assert "ValueError: bad input" in rollout.latest_attempt.metadata["error"]
 
 
+@pytest.mark.parametrize("agent, input, says", [
+    ("tests.celery_agents:ok_agent", {"i": "nan"}, "reward 'primary' must be a finite number, "
+                                                   "got nan"),
+    ("tests.celery_agents:ok_agent", {"i": "-inf"}, "reward 'primary' must be a finite number, "
+                                                    "got -inf"),
+    ("tests.celery_agents:emitting_agent", {"x": "inf"}, "reward 'other' must be a finite "
+                                                         "number, got inf"),
+])
+def test_a_reward_that_is_not_a_finite_number_fails_the_attempt_saying_so(project, agent, input,
+                                                                         says):
+    """A NaN reward failed the attempt with a database error about invalid JSON (SQLite), or
+    would have become a span no store can hold; now the agent's attempt says what it did."""
+    outcome, rollout = run_one(project, agent, input=input)
+    assert (outcome.status, rollout.status) == ("failed", "failed")
+    error = rollout.latest_attempt.metadata["error"]
+    assert f"ValueError: {says}" in error and "IntegrityError" not in error
+    assert not Span.objects.filter(rollout=rollout, name=AGL_ANNOTATION).exists()
+
+
 def test_unknown_agent_fails_the_attempt(project):
     outcome, rollout = run_one(project, "tests.celery_agents:no_such_agent")
     assert rollout.status == "failed"

@@ -149,6 +149,24 @@ def test_a_failing_step_is_retried_a_bounded_number_of_times_then_fails_the_job(
     assert "step 0 failed after 2 tries" in job.error
 
 
+@pytest.mark.parametrize("agent, says", [
+    ("tests.trainer_specs.spanless_agent", "the algorithm trains on `lightning.decision` spans"),
+    ("tests.trainer_specs.unrewarded_agent", "8 of them have no reward (the agent returned None "
+                                             "and emitted none"),
+])
+def test_a_step_whose_rollouts_give_no_samples_fails_the_job_saying_why(monkeypatch, agent, says):
+    """Such a job "succeeded", every step training on nothing."""
+    sent = capture_sends(monkeypatch)
+    job = make_job(max_step_attempts=2)
+    TrainingJob.objects.filter(pk=job.pk).update(agent=agent)
+    job = drive(services.job_start(job_id=job.pk), sent)
+    step = job.steps.get(n=0)
+    assert (job.status, step.status, step.attempts) == (JobStatus.FAILED, StepStatus.FAILED, 2)
+    assert step.error.startswith("step 0: 8 succeeded train rollouts gave no training samples")
+    assert says in step.error and "Traceback" not in step.error
+    assert "step 0 failed after 2 tries" in job.error and says in job.error
+
+
 def test_a_step_whose_worker_died_is_sent_again_and_completes_once(monkeypatch):
     sent = capture_sends(monkeypatch)
     job = services.job_start(job_id=make_job(step_lease_seconds=30).pk)

@@ -11,6 +11,24 @@ def broken_agent(task: Any) -> float:
     raise RuntimeError("the broken agent fails every rollout")
 
 
+def spanless_agent(task: Any) -> float:
+    """Returns a reward but records no decision: nothing for grpo to train on."""
+    return 0.5
+
+
+def unrewarded_agent(task: Any) -> None:
+    """Records a decision per symbol but neither returns nor emits a reward."""
+    from runners.tracing import tracer
+    from trainer import conventions as c
+
+    for position, _ in enumerate(task["task"]["message"]):
+        with tracer().start_as_current_span(c.DECISION_SPAN, attributes={
+            c.ATTR_AGENT: "decoder", c.ATTR_OBSERVATION: [0.0], c.ATTR_ACTION: 1,
+            c.ATTR_LOGPROB: -2.3, c.ATTR_TURN: position,
+        }):
+            pass
+
+
 def broken_baseline_spec(*, seed: int = 0, steps: int = 1) -> dict[str, Any]:
     """Evaluation only (`baseline`) with an agent that fails every rollout: the job must fail."""
     spec = cipher_spec(seed=seed, steps=steps)

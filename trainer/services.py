@@ -108,6 +108,11 @@ class JobError(Exception):
     pass
 
 
+class NoSamples(Exception):
+    """A step's succeeded train rollouts gave nothing to train on (the message says why): a
+    failed try, recorded as its message alone, not a traceback."""
+
+
 def _now() -> datetime:
     return timezone.now()
 
@@ -417,8 +422,8 @@ def step_train(*, step_id: int, worker: str | None = None,
     try:
         with lease_kept(step, job_config(step.job)["step_lease_seconds"]):
             result = train_run(step, picked=picked)
-    except Exception:
-        error = traceback.format_exc(limit=8)
+    except Exception as exc:
+        error = str(exc) if isinstance(exc, NoSamples) else traceback.format_exc(limit=8)
         return retry.call(lambda: step_record_failure(
             step_id=step.pk, attempt=step.attempts, error=error),
             what=f"step {step.pk}: recording a failure")
@@ -578,6 +583,8 @@ def train_run(step: TrainingStep, run_update: UpdateRunner | None = None,
         )
         state = algorithm.load(checkpoints.find_checkpoint(version.resources))
         samples = algorithm.samples(rollouts)
+        if not samples and (why := algorithm.no_samples(rollouts)) is not None:
+            raise NoSamples(f"step {step.n}: {why}")
         world_size = distributed.world_size_of(config)
         if run_update is not None:
             update, device, devices = run_update(algorithm, step.n, state, samples)

@@ -68,6 +68,9 @@ class Algorithm(ABC):
     #: holds a key that nobody reads is refused at creation (a typo is an error, not a setting
     #: silently ignored); None: not declared, not checked.
     config_keys: ClassVar[frozenset[str] | None] = None
+    #: What `samples` makes samples of, named when a step's rollouts gave none (`no_samples`).
+    sample_source: ClassVar[str] = ("`lightning.decision` spans (trainer/conventions.py), "
+                                    "each with a reward in its rollout")
 
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = config
@@ -117,6 +120,24 @@ class Algorithm(ABC):
             for sample in self.adapter.samples(rollout)
         ]
 
+    def no_samples(self, rollouts: Sequence[FinishedRollout]) -> str | None:
+        """Why succeeded train rollouts gave `samples` nothing to train on: a step that trains
+        on nothing is a broken agent or config, not a step done (the job fails saying this).
+        None when there is no succeeded train rollout to explain."""
+        done = [r for r in rollouts if r.mode == "train" and r.succeeded]
+        if not done:
+            return None
+        unrewarded = sum(1 for r in done if r.reward is None)
+        why = [f"{len(done)} succeeded train rollouts gave no training samples"]
+        if unrewarded:
+            why.append(f"{unrewarded} of them have no reward (the agent returned None and "
+                       "emitted none: return the reward, or call emit_reward)")
+        why.append(f"the algorithm trains on {self.sample_source}")
+        if self.config.get("agents"):
+            why.append(f"config agents={sorted(self.config['agents'])} keeps only those "
+                       "agents' decisions")
+        return "; ".join(why)
+
     def report(self, rollouts: Sequence[FinishedRollout]) -> dict[str, Any]:
         """Metrics every algorithm shares: rewards of train and validation rollouts."""
         metrics: dict[str, Any] = {}
@@ -127,6 +148,8 @@ class Algorithm(ABC):
             rewards = [r.reward for r in mine if r.succeeded and r.reward is not None]
             metrics[f"{mode}_rollouts"] = len(mine)
             metrics[f"{mode}_rollouts_failed"] = sum(1 for r in mine if not r.succeeded)
+            if unrewarded := sum(1 for r in mine if r.succeeded and r.reward is None):
+                metrics[f"{mode}_rollouts_without_reward"] = unrewarded
             if rewards:
                 metrics[f"{mode}_reward"] = fmean(rewards)
         return metrics

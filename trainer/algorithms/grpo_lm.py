@@ -80,6 +80,8 @@ class GRPOLM(Algorithm):
     # each rank trains on its contiguous shard of the samples (trainer/distributed.py).
     runs_ddp = True
     config_keys = frozenset(DEFAULTS) | {"model", "model_name", "lora"}
+    sample_source = ("the LLM calls the agent made through the model gateway (its `llm` "
+                     "resource's endpoint), each with a reward in its rollout")
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__({**DEFAULTS, **config})
