@@ -7,6 +7,7 @@ from django.db import models
 from django.db.models import Q
 
 from store.ids import new_resources_id, new_rollout_id
+from store.jsontext import SpanJSONEncoder
 from store.statemachine import (
     ATTEMPT_LIVE,
     QUEUED,
@@ -330,18 +331,19 @@ class Span(models.Model):
     span_id = models.CharField(max_length=32)
     parent_id = models.CharField(max_length=32, null=True, blank=True)
     name = models.CharField(max_length=500)
-    status = models.JSONField(default=dict)
-    attributes = models.JSONField(default=dict)
-    events = models.JSONField(default=list)
-    links = models.JSONField(default=list)
+    # JSON as store/jsontext.py writes it on every path (NaN and infinities as null)
+    status = models.JSONField(default=dict, encoder=SpanJSONEncoder)
+    attributes = models.JSONField(default=dict, encoder=SpanJSONEncoder)
+    events = models.JSONField(default=list, encoder=SpanJSONEncoder)
+    links = models.JSONField(default=list, encoder=SpanJSONEncoder)
     # OpenTelemetry times as epoch seconds, as AGL sends them.
     start_time = models.FloatField(null=True)
     end_time = models.FloatField(null=True)
-    context = models.JSONField(null=True)
-    parent = models.JSONField(null=True)
-    resource = models.JSONField(default=dict)
+    context = models.JSONField(null=True, encoder=SpanJSONEncoder)
+    parent = models.JSONField(null=True, encoder=SpanJSONEncoder)
+    resource = models.JSONField(default=dict, encoder=SpanJSONEncoder)
     # Unknown fields a client sent; kept and returned as AGL does.
-    extra = models.JSONField(default=dict)
+    extra = models.JSONField(default=dict, encoder=SpanJSONEncoder)
 
     class Meta:
         constraints = [

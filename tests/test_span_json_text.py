@@ -1,6 +1,7 @@
-"""The JSON columns' text of the one-statement span paths (store/services/spans.py
-`json_column_text`): orjson's where Postgres reads it as the same value as `json.dumps`'
-(what Django's JSONField sends), `json.dumps`' own text where orjson would differ."""
+"""The text of a span's JSON columns on every path (store/jsontext.py `span_json_text`):
+orjson's, which Postgres reads as the same value as `json.dumps`' (what Django's JSONField
+sent), `json.dumps`' own text where orjson refuses a value, and null for NaN and infinities
+(json.dumps writes a token Postgres and SQLite refuse)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import math
 import pytest
 from django.db import connection
 
-from store.services.spans import json_column_text
+from store.jsontext import span_json_text
 
 pytestmark = pytest.mark.django_db
 
@@ -20,17 +21,15 @@ VALUES = [
     {"nested": {"deep": {"deeper": [{"k": "v\n\t\"q\""}]}}, "empty": {}},
     {"max": 2**63 - 1, "min": -(2**63)},
     {"ctrl": "a\u0001b"},
+    {"none": None, "text": "nullable"},
 ]
-# orjson would write another value (null for NaN), or refuses it: json.dumps' text.
-AS_BEFORE = [
-    {"nan": math.nan}, {"inf": [math.inf]}, {"none": None}, {"huge": 2**70}, {1: "int key"},
-    {"text": "nullable"},
-]
+# orjson refuses it: json.dumps' text.
+AS_BEFORE = [{"huge": 2**70}, {1: "int key"}]
 
 
 @pytest.mark.parametrize("value", VALUES)
 def test_postgres_reads_the_same_value(value):
-    text = json_column_text(value)
+    text = span_json_text(value)
     with connection.cursor() as cursor:
         cursor.execute("SELECT %s::jsonb = %s::jsonb, %s::jsonb::text",
                        [text, json.dumps(value), text])
@@ -41,8 +40,21 @@ def test_postgres_reads_the_same_value(value):
 
 @pytest.mark.parametrize("value", AS_BEFORE)
 def test_what_orjson_would_change_is_json_dumps_text(value):
-    assert json_column_text(value) == json.dumps(value)
+    assert span_json_text(value) == json.dumps(value)
+
+
+@pytest.mark.parametrize("value, stored", [
+    ({"nan": math.nan, "inf": [math.inf, -math.inf], "x": 1.5}, {"nan": None, "inf": [None, None],
+                                                                 "x": 1.5}),
+    ({"huge": 2**70, "nan": math.nan}, {"huge": 2**70, "nan": None}),  # json.dumps' path too
+])
+def test_numbers_json_cannot_hold_are_null(value, stored):
+    text = span_json_text(value)
+    assert json.loads(text) == stored
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT %s::jsonb::text", [text])
+        assert json.loads(cursor.fetchone()[0]) == stored
 
 
 def test_none_is_sql_null():
-    assert json_column_text(None) is None
+    assert span_json_text(None) is None

@@ -233,3 +233,35 @@ def test_text_the_database_cannot_keep_is_invalid_input_naming_the_field(project
     assert Span.objects.count() == 0
     spans[-1]["attributes"] = {"gen_ai.prompt": "fine"}
     assert all(services.spans_add(project=project, spans=spans))
+
+
+NOT_FINITE = {"nan": float("nan"), "inf": [float("inf"), 1.5], "neg": {"x": float("-inf")},
+              "ok": 1, "none": None, "text": "NaN"}
+AS_STORED = {"nan": None, "inf": [None, 1.5], "neg": {"x": None}, "ok": 1, "none": None,
+             "text": "NaN"}
+
+
+@pytest.mark.parametrize("path, count", [("spans_add", 1), ("spans_add", 60),
+                                         ("spans_ingest", 2), ("spans_export", 1),
+                                         ("spans_export", 60)])
+def test_numbers_json_cannot_hold_are_stored_as_null_on_every_path(project, path, count):
+    """NaN and infinities in a span (an agent's attribute set to a NaN metric) are stored as
+    null, as AGL's pydantic client sends them and as COPY already stored them; the other
+    paths failed the write (Postgres and SQLite refuse json.dumps' NaN token), and with it
+    the attempt."""
+    enqueue(project, 1)
+    rollout, attempt = claim(project)
+    spans = [span(rollout, attempt, n, attributes=NOT_FINITE,
+                  events=[{"name": "e", "attributes": NOT_FINITE}],
+                  resource={"attributes": NOT_FINITE, "schema_url": ""})
+             for n in range(1, count + 1)]
+    if path == "spans_ingest":
+        for s in spans:
+            s["sequence_id"] = None
+    getattr(services, path)(project=project, spans=spans)
+    stored = list(Span.objects.filter(rollout=rollout))
+    assert len(stored) == count
+    for row in stored:
+        assert row.attributes == AS_STORED
+        assert row.events == [{"name": "e", "attributes": AS_STORED}]
+        assert row.resource["attributes"] == AS_STORED

@@ -13,7 +13,6 @@ from datetime import datetime
 from types import SimpleNamespace
 from typing import Any
 
-import orjson
 from django.db import DataError, connection, transaction
 from django.db.models import CharField, JSONField
 from django.db.models.base import ModelState
@@ -22,6 +21,7 @@ from psycopg import errors as pg_errors
 
 from store import rules
 from store.errors import InvalidInput, NotFound, StoreError
+from store.jsontext import SpanJSONEncoder, span_json_text
 from store.models import Attempt, Project, Rollout, Span
 from store.services._bulk import Write, insert_new
 from store.services._common import attempt_deadline, set_attempt_status
@@ -450,32 +450,13 @@ def _export_common(project: Project, spans: Sequence[dict[str, Any]], now: datet
 _IDS = ("id", "rollout_id", "attempt_id", "sequence_id")
 
 
-def json_column_text(value: Any) -> str | None:
-    """A JSON column's parameter: the text Django's JSONField sends (`json.dumps`), or
-    orjson's text of the same value where Postgres reads the two alike (jsonb keeps the value,
-    not the text), at a fraction of the cost (the OTLP export's 16 spans: about a tenth of
-    its Python). Where orjson would write another value or none, `json.dumps`' text, as
-    before: orjson writes NaN and infinities as null (json.dumps as NaN, which Postgres
-    refuses: any null in orjson's text goes to json.dumps), and refuses what json.dumps
-    writes (integers past 64 bits, keys that are not strings, lone surrogates)."""
-    if value is None:
-        return None
-    try:
-        text = orjson.dumps(value)
-    except TypeError:  # orjson.JSONEncodeError
-        return json.dumps(value)
-    if b"null" in text:
-        return json.dumps(value)
-    return text.decode()
-
-
 @functools.cache
 def _span_plan() -> tuple[tuple[str, Any], ...]:
     """The span's other columns, each with what makes its parameter: JSON as text in the
     field's own encoding (what Django sends), the rest as the field prepares it."""
     def json_text(field: JSONField):
-        if field.encoder is None:
-            return json_column_text
+        if field.encoder is SpanJSONEncoder:
+            return span_json_text
         return lambda value: None if value is None else json.dumps(value, cls=field.encoder)
 
     def prepared(field):
