@@ -195,6 +195,12 @@ BAD_SPECS = {
                         "the algorithm 'grpo' reads it"),
     "another_algorithms_key": (_spec(config={"kl_coef": 0.1}),
                                "config.kl_coef: unknown key"),
+    "unknown_algorithm": (_spec(algorithm="gpro"),
+                          "algorithm: unknown algorithm 'gpro': a built-in (grpo, baseline, "
+                          "grpo_lm) or the dotted path of an Algorithm subclass"),
+    "algorithm_module": (_spec(algorithm="examples.reinforce"),
+                         "algorithm: 'examples.reinforce' is a module: name the Algorithm "
+                         "class in it (examples.reinforce.REINFORCE)"),
 }
 
 
