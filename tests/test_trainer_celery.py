@@ -27,12 +27,12 @@ def checkpoint_dir(tmp_path, settings):
     return path
 
 
-def make_job(*, steps: int, **config) -> TrainingJob:
+def make_job(*, steps: int, algorithm: str = "grpo", **config) -> TrainingJob:
     spec = job_spec(seed=1, steps=steps)
     spec["config"].update({"tasks_per_step": 2, "group_size": 4, "val_every": 1, **config})
     return services.job_create(
         project=store_services.project_create(name="trainer-celery"), agent=spec["agent"],
-        algorithm=config.pop("algorithm", "grpo"), config=spec["config"],
+        algorithm=algorithm, config=spec["config"],
         train_dataset=spec["train_dataset"], val_dataset=spec["val_dataset"][:4],
     )
 
