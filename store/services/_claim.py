@@ -2,7 +2,7 @@
 transaction. On Postgres it is one statement (select with SKIP LOCKED, or a bounded wait
 for the row of a named claim; insert the attempts; update the rollouts; charge the parties'
 usage); elsewhere (the embedded SQLite default, whose writers are serialized by BEGIN
-IMMEDIATE) the same steps run through the ORM.
+IMMEDIATE) the same steps run one statement each (`_claim_orm`).
 
 Which rollout an unnamed claim takes is the store's choice (README "Scheduling"): highest
 priority first, then the project and, inside it, the party (job) with the least decayed usage
