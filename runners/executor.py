@@ -104,17 +104,19 @@ def _execute(gateway: StoreGateway, claim: Claim, agent: Agent | str, worker_id:
             outcome = _run(gateway, claim, agent, info, guard)
         finally:
             watcher.stop()
-        _ship_rest(gateway, spans)
-    if outcome.status == CANCELLED and guard.ended:
-        # Stopped because the store had ended the attempt (timed out): the store's verdict
-        # and its error stand; a report now would turn "timeout" into "failed".
-        return Outcome(ENDED, error="the store ended the attempt while it ran",
-                       spans=spans.count)
+        if outcome.status == CANCELLED and guard.ended:
+            # Stopped because the store had ended the attempt (timed out): the store's
+            # verdict and its error stand; a report now would turn "timeout" into "failed".
+            _ship_rest(gateway, spans)
+            return Outcome(ENDED, error="the store ended the attempt while it ran",
+                           spans=spans.count)
+        rest = spans.take()
     outcome = Outcome(outcome.status, outcome.reward, outcome.error, spans.count)
+    # The last spans travel with the verdict (one write where the gateway can make it one).
     gateway.finish(
         rollout_id=claim.rollout_id, attempt_id=claim.attempt_id,
         status=SUCCEEDED if outcome.status == SUCCEEDED else FAILED,
-        error=outcome.error, usage=meter.read(),
+        error=outcome.error, usage=meter.read(), spans=rest,
     )
     return outcome
 

@@ -14,6 +14,7 @@ each, and tests run the executor against each.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -67,7 +68,8 @@ class StoreGateway(Protocol):
 
     def finish(
         self, *, rollout_id: str, attempt_id: str, status: str, error: str | None = None,
-        usage: Usage | None = None,
+        usage: Usage | None = None, spans: Sequence[dict[str, Any]] = (),
     ) -> None:
         """End the attempt as `succeeded` or `failed` (error recorded in its metadata under
-        "error"); `usage`: what it used, for the ledger row the verdict writes."""
+        "error"); `usage`: what it used, for the ledger row the verdict writes; `spans`: its
+        last spans (as `add_spans` takes them), stored before the verdict or with it."""

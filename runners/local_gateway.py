@@ -5,6 +5,7 @@ gateway retries network errors; a heartbeat is not retried (the next tick is its
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from django.utils import timezone
@@ -118,12 +119,12 @@ class LocalGateway:
 
     def finish(
         self, *, rollout_id: str, attempt_id: str, status: str, error: str | None = None,
-        usage: services.Usage | None = None,
+        usage: services.Usage | None = None, spans: Sequence[dict[str, Any]] = (),
     ) -> None:
         try:
             self.retry.call(lambda: services.attempt_finish(
                 project=self.project, rollout_id=rollout_id, attempt_id=attempt_id,
-                status=status, error=error, usage=usage,
+                status=status, error=error, usage=usage, spans=spans,
             ), what=f"finish {rollout_id}/{attempt_id}")
         except IllegalTransition as exc:  # someone already gave the final verdict
             log.warning("late report for %s/%s ignored: %s", rollout_id, attempt_id, exc)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from runners.client import ApiError, StoreClient
@@ -72,8 +73,10 @@ class HttpGateway:
 
     def finish(
         self, *, rollout_id: str, attempt_id: str, status: str, error: str | None = None,
-        usage: Usage | None = None,
+        usage: Usage | None = None, spans: Sequence[dict[str, Any]] = (),
     ) -> None:
+        if spans:  # the finish request carries no spans: they go first, as their own request
+            self.client.add_spans(spans)
         try:
             self.client.finish_attempt(rollout_id, attempt_id, status=status, error=error,
                                        usage=dataclasses.asdict(usage) if usage else None)

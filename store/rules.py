@@ -21,8 +21,10 @@ from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
-from django.db.models import F, Q
-from django.db.models.functions import Coalesce
+from django.db.models import F, FloatField, Q
+from django.db.models.fields.json import KeyTextTransform
+from django.db.models.functions import Cast, Coalesce
+from django.db.models.lookups import LessThanOrEqual
 
 from store.statuses import (
     ATTEMPT_FINAL,
@@ -270,7 +272,16 @@ def _fits_sql(config: str, max_timeout: str) -> str:
     return f"({max_timeout} IS NULL OR ({config}->>'timeout_seconds')::float8 <= {max_timeout})"
 
 
-FITS = Rule("fits", _fits, _fits_sql)
+def _fits_q(max_timeout: float | None) -> Q:
+    """On the rollout's `config` (the claim's SQLite path)."""
+    if max_timeout is None:
+        return Q()
+    timeout = Cast(KeyTextTransform("timeout_seconds", "config"), FloatField())
+    # A JSON null is no timeout (SQLite's text of it, 'null', would cast to 0).
+    return Q(LessThanOrEqual(timeout, max_timeout)) & ~Q(config__timeout_seconds=None)
+
+
+FITS = Rule("fits", _fits, _fits_sql, _fits_q)
 
 
 # --- The retry rule and rollout-follows-attempt ---------------------------------------------

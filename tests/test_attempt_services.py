@@ -2,7 +2,7 @@ import pytest
 
 from store import hooks, services
 from store.errors import IllegalTransition, InvalidInput, NotFound
-from store.models import Rollout, Worker
+from store.models import Rollout, Span, Worker
 from store.services import AttemptUpdate, RolloutSpec
 from tests.conftest import claim, enqueue
 
@@ -182,6 +182,55 @@ def test_finish_is_idempotent_per_final_status(project):
     with pytest.raises(InvalidInput):
         services.attempt_finish(project=project, rollout_id=rollout.pk,
                                 attempt_id=attempt.attempt_id, status="running")
+
+
+def _last_spans(rollout, attempt, n):
+    return [{"rollout_id": rollout.pk, "attempt_id": attempt.attempt_id, "trace_id": "a" * 32,
+             "span_id": f"{i:016x}", "name": f"step-{i}", "attributes": {"i": i}}
+            for i in range(n)]
+
+
+def test_finish_stores_the_last_spans_sent_with_the_verdict(project):
+    """The executor's last batch travels with the verdict (one write transaction on the
+    embedded SQLite default): both land, the spans numbered from the rollout's counter."""
+    enqueue(project, 1)
+    rollout, attempt = claim(project)
+    finished = services.attempt_finish(project=project, rollout_id=rollout.pk,
+                                       attempt_id=attempt.attempt_id, status="succeeded",
+                                       spans=_last_spans(rollout, attempt, 3))
+    rollout.refresh_from_db()
+    assert finished.status == "succeeded" and rollout.status == "succeeded"
+    stored = Span.objects.filter(attempt_id=attempt.pk).order_by("sequence_id")
+    assert [(s.name, s.sequence_id) for s in stored] == [
+        ("step-0", 1), ("step-1", 2), ("step-2", 3)]
+    assert rollout.next_span_sequence_id == 4
+
+
+def test_a_refused_verdict_keeps_the_spans_sent_with_it(project):
+    """As when the spans came in a request of their own: a verdict another final status
+    already ended is refused, and the spans sent with it are stored all the same."""
+    enqueue(project, 1)
+    rollout, attempt = claim(project)
+    services.attempt_finish(project=project, rollout_id=rollout.pk,
+                            attempt_id=attempt.attempt_id, status="failed")
+    with pytest.raises(IllegalTransition):
+        services.attempt_finish(project=project, rollout_id=rollout.pk,
+                                attempt_id=attempt.attempt_id, status="succeeded",
+                                spans=_last_spans(rollout, attempt, 2))
+    assert Span.objects.filter(attempt_id=attempt.pk).count() == 2
+    assert Rollout.objects.get(pk=rollout.pk).status == "failed"
+
+
+def test_finish_with_spans_of_an_unknown_attempt_stores_nothing(project):
+    enqueue(project, 1)
+    rollout, attempt = claim(project)
+    spans = _last_spans(rollout, attempt, 1)
+    spans[0]["attempt_id"] = "at-unknown"
+    with pytest.raises(NotFound):
+        services.attempt_finish(project=project, rollout_id=rollout.pk,
+                                attempt_id=attempt.attempt_id, status="succeeded", spans=spans)
+    assert Rollout.objects.get(pk=rollout.pk).status == "preparing"
+    assert not Span.objects.filter(rollout_id=rollout.pk).exists()
 
 
 def test_a_late_failure_keeps_the_watchdogs_verdict(project):

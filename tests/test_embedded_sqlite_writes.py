@@ -152,6 +152,55 @@ second.join()
 print(json.dumps(seen))
 """
 
+# One episode through the executor and the in-process gateway, as the embedded default's
+# rollout threads run it: a ticket's claim, then the agent (spans and a reward), then its end.
+# Prints the write turns each part took, the claim's statements, and what was stored.
+EPISODE = """
+import json, os, threading
+import django
+django.setup()
+from django.core.management import call_command
+call_command("migrate", verbosity=0)
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+from core.sqlite_engine import base
+from runners import executor
+from runners.local_gateway import LocalGateway
+from store import services
+from store.models import Attempt, Span
+
+turns = []
+take = base.WriteTurn.take
+def counted(self):
+    taken = take(self)
+    turns.append(taken)
+    return taken
+base.WriteTurn.take = counted
+
+project = services.project_create(name="episode")
+rollouts = services.rollout_enqueue_many(
+    project=project, specs=[services.RolloutSpec(input={"i": i}, config={"timeout_seconds": 300})
+                            for i in (2, 3)],
+    party="trainer/job/1")
+services.rollout_dispatch_set(project=project, rollout_ids=[r.pk for r in rollouts],
+                              dispatch="celery", target="tests.celery_agents.ok_agent")
+seen = {}
+for rollout in rollouts:  # the first warms the statement caches; the second is counted
+    turns.clear()
+    with CaptureQueriesContext(connection) as claim_sql:
+        gateway, claim = LocalGateway.claim_next(dispatch="celery", max_timeout=600,
+                                                 worker_id="w")
+    sql = [q["sql"].split()[0] for q in claim_sql.captured_queries]
+    seen["claim"] = [sum(turns), sql.index("COMMIT") - sql.index("BEGIN") + 1]
+    turns.clear()
+    outcome = executor.execute(gateway=gateway, claim=claim, agent="tests.celery_agents:ok_agent",
+                               worker_id="w")
+    seen["run"] = sum(turns)
+attempt = Attempt.objects.get(attempt_id=claim.attempt_id)
+seen["stored"] = [outcome.status, attempt.status, Span.objects.filter(attempt=attempt).count()]
+print(json.dumps(seen))
+"""
+
 
 def run(tmp_path, script: str, *args: str) -> list:
     env = {k: v for k, v in os.environ.items()
@@ -195,3 +244,14 @@ def test_another_process_holding_the_file_still_keeps_this_process_writers_out(t
     assert seen[0].startswith("database is locked") and seen[1] == "written"
     assert rows(tmp_path, "SELECT thread, note FROM probe ORDER BY thread") == [
         (-1, "other process"), (0, "this process")]
+
+
+def test_an_episode_takes_two_write_turns_its_last_spans_travel_with_its_verdict(tmp_path):
+    """Per episode the embedded file's writers take turns twice: the claim, and the attempt's
+    end (its last spans and its verdict in one write transaction, store.services.
+    attempt_finish); the claim's transaction is BEGIN, the parties, the first queued rollout of
+    each, the attempt's insert, the rollout's update, the party's usage, the worker, COMMIT."""
+    seen = run(tmp_path, EPISODE)
+    assert seen["stored"] == ["succeeded", "succeeded", 4]
+    assert seen["run"] == 1
+    assert seen["claim"] == [1, 8]

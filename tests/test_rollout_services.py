@@ -286,3 +286,19 @@ def test_the_longest_limit_is_claimed_with_its_deadline(project, settings):
         input=1, config={"timeout_seconds": 3.2e9, "unresponsive_seconds": 3.2e9}))
     rollout, attempt = claim(project)
     assert attempt.deadline is not None and attempt.deadline > timezone.now() + timedelta(days=36000)
+
+
+def test_a_tickets_claim_takes_only_a_rollout_whose_timeout_fits_its_bound(project):
+    """rules.FITS in the claim (the statement on Postgres, the ORM path's query elsewhere):
+    no timeout, a JSON null one, or one past the bound do not fit; without a bound all do."""
+    rollouts = services.rollout_enqueue_many(project=project, specs=[
+        RolloutSpec(input=0), RolloutSpec(input=1, config={"timeout_seconds": 900}),
+        RolloutSpec(input=2, config={"timeout_seconds": 300}), RolloutSpec(input=3)])
+    Rollout.objects.filter(pk=rollouts[3].pk).update(config={"timeout_seconds": None})
+    services.rollout_dispatch_set(project=project, rollout_ids=[r.pk for r in rollouts],
+                                  dispatch="celery", target="x.agent")
+    ticket = {"dispatch": "celery", "worker_id": "w"}
+    rollout, _ = services.rollout_claim_next(max_timeout=600, **ticket)
+    assert rollout.pk == rollouts[2].pk
+    assert services.rollout_claim_next(max_timeout=600, **ticket) is None
+    assert services.rollout_claim_next(max_timeout=None, **ticket)[0].pk == rollouts[0].pk

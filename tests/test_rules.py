@@ -318,6 +318,24 @@ def test_fits_agrees():
            convert=_as_bool)
 
 
+@pytest.mark.django_db
+def test_fits_orm_form_agrees():
+    """The ORM's filter (`.q`, the claim's SQLite path) on real rows, the same cases."""
+    project = project_create(name="q-fits")
+    configs = [{}, {"timeout_seconds": None}, {"timeout_seconds": 0}, {"timeout_seconds": 1},
+               {"timeout_seconds": 2.5}, {"timeout_seconds": 1e9}]
+    rows = rollout_enqueue_many(project=project,
+                                specs=[RolloutSpec(input=i) for i in range(len(configs))])
+    for row, config in zip(rows, configs, strict=True):
+        Rollout.objects.filter(pk=row.pk).update(config=config)
+    for bound in [None, 0.0, 1.0, 2.5, 3.2e9]:
+        chosen = set(Rollout.objects.filter(rules.FITS.q(bound), project=project)
+                     .values_list("pk", flat=True))
+        expected = {row.pk for row, config in zip(rows, configs, strict=True)
+                    if rules.FITS.python(config.get("timeout_seconds"), bound)}
+        assert chosen == expected, bound
+
+
 @pytest.mark.postgres
 @pytest.mark.django_db
 def test_share_order_agrees():

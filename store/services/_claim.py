@@ -2,7 +2,7 @@
 transaction. On Postgres it is one statement (select with SKIP LOCKED, or a bounded wait
 for the row of a named claim; insert the attempts; update the rollouts; charge the parties'
 usage); elsewhere (the embedded SQLite default, whose writers are serialized by BEGIN
-IMMEDIATE) the same steps run through the ORM.
+IMMEDIATE) the same steps run one statement each (`_claim_orm`).
 
 Which rollout an unnamed claim takes is the store's choice (README "Scheduling"): highest
 priority first, then the project and, inside it, the party (job) with the least decayed usage
@@ -180,17 +180,20 @@ def _parties(scope: Scope, now: datetime) -> list[tuple[Party, float, float]]:
             if p.project_id in allowed]
 
 
-def _candidates(scope: Scope, now: datetime, limit: int) -> list[Rollout]:
-    """The fair order's first rollouts (the statement's `c`, in Python)."""
+def _candidates(scope: Scope, parties: list[tuple[Party, float, float]], now: datetime,
+                limit: int) -> list[Rollout]:
+    """The fair order's first rollouts (the statement's `c` and `picked`, in Python): per
+    party, its first `limit` claimable rollouts in index order, ranked across parties. No
+    slack and no second read to lock them: the embedded default's write transactions are
+    serialized (BEGIN IMMEDIATE), so what this reads is what the claim takes."""
+    sql, fits = _candidates_sql(scope.dispatch is not None, scope.max_timeout is not None)
+    at = Rollout._meta.get_field("queue_deadline").get_db_prep_value(now, connection)
     ranked = []
-    for party, usage, project_usage in _parties(scope, now):
-        queued = Rollout.objects.filter(rules.CLAIMABLE.q(now), party=party)
-        if scope.dispatch is not None:
-            queued = queued.filter(dispatch=scope.dispatch)
-        for rollout in queued.order_by("-priority", "enqueue_time")[:limit + CANDIDATE_SLACK]:
-            timeout = (rollout.config or {}).get("timeout_seconds")
-            if not rules.FITS.python(timeout, scope.max_timeout):
-                continue
+    for party, usage, project_usage in parties:
+        params = [party.pk, at, *([scope.dispatch] if scope.dispatch is not None else []),
+                  *(fits[0] + (scope.max_timeout,) + fits[1]
+                    if scope.max_timeout is not None else ()), limit]
+        for rollout in Rollout.objects.raw(sql, params):
             key = rules.SHARE_ORDER.python(rollout.priority, project_usage,
                                            party.project.share_weight, usage, party.weight,
                                            rollout.enqueue_time)
@@ -199,16 +202,42 @@ def _candidates(scope: Scope, now: datetime, limit: int) -> list[Rollout]:
     return [rollout for _, rollout in ranked[:limit]]
 
 
-def _charge(rollouts: list[Rollout], now: datetime) -> None:
-    """Each claim adds 1 to its party's decayed usage (the statement's `use`)."""
+@functools.cache
+def _candidates_sql(dispatch: bool, bounded: bool) -> tuple[str, tuple[tuple, tuple]]:
+    """A party's first claimable rollouts (rules.CLAIMABLE; delivered by a dispatch, and
+    within a ticket's bound, rules.FITS, where the claim says), and the parameters of the
+    bound's fragment before and after the bound: written once, not built by the ORM for
+    every claim (its compiling cost more than the statement, in the write transaction)."""
+    where = ['"party_id" = %s', rules.CLAIMABLE.sql('"status"', '"queue_deadline"', "%s")]
+    if dispatch:
+        where.append('"dispatch" = %s')
+    fits: tuple[tuple, tuple] = ((), ())
+    if bounded:
+        # rules.FITS's ORM form as this database's SQL, and its parameters around the bound.
+        query = Rollout.objects.filter(rules.FITS.q(_BOUND)).query
+        fragment, params = query.where.as_sql(query.get_compiler(connection.alias), connection)
+        (at,) = [i for i, param in enumerate(params) if param is _BOUND]
+        where.append(fragment)
+        fits = (tuple(params[:at]), tuple(params[at + 1:]))
+    return (f'SELECT * FROM "{Rollout._meta.db_table}" WHERE {" AND ".join(where)} '
+            'ORDER BY "priority" DESC, "enqueue_time" LIMIT %s'), fits
+
+
+_BOUND = 4321.5  # the bound while its fragment is compiled (found by identity)
+
+
+def _charge(rollouts: list[Rollout], parties: list[tuple[Party, float, float]],
+            now: datetime) -> None:
+    """Each claim adds 1 to its party's decayed usage (the statement's `use`), from the
+    usage `_parties` read in this (serialized) transaction."""
     counts: dict[int, int] = defaultdict(int)
     for rollout in rollouts:
         if rollout.party_id is not None:
             counts[rollout.party_id] += 1
-    half_life = rules.usage_half_life()
-    for party in Party.objects.filter(pk__in=list(counts)).order_by("pk"):
-        usage = rules.DECAYED.python(party.usage, party.usage_at, now, half_life)
-        Party.objects.filter(pk=party.pk).update(usage=usage + counts[party.pk], usage_at=now)
+    for party, usage, _ in sorted(parties, key=lambda row: row[0].pk):
+        if party.pk in counts:
+            Party.objects.filter(pk=party.pk).update(usage=usage + counts[party.pk],
+                                                     usage_at=now)
 
 
 def new_attempt(rollout: Rollout, worker_id: str | None, now: datetime) -> Attempt:
@@ -241,18 +270,18 @@ def _claim_orm(scope: Project | Scope, worker_id, limit, now, rollout_id
     if rollout_id:
         project = scope.project
         rollouts = list(Rollout.objects.filter(rules.CLAIMABLE.q(now), project=project,
-                                               pk=rollout_id).select_for_update())
+                                               pk=rollout_id))
         if rollouts and not _under_cap([project]):
             rollouts = []
+        # A rollout without a party charges nothing; one with a party charges its party.
+        parties = _parties(scope, now) if rollouts and rollouts[0].party_id else []
     else:
-        picked = [r.pk for r in _candidates(scope, now, limit)]
-        locked = {r.pk: r for r in Rollout.objects.filter(rules.CLAIMABLE.q(now), pk__in=picked)
-                  .select_for_update(skip_locked=True)}
-        rollouts = [locked[pk] for pk in picked if pk in locked]
+        parties = _parties(scope, now)
+        rollouts = _candidates(scope, parties, now, limit)
     attempts = [new_attempt(rollout, worker_id, now) for rollout in rollouts]
     if rollouts:
         attach(rollouts, attempts)
-        _charge(rollouts, now)
+        _charge(rollouts, parties, now)
     return list(zip(rollouts, attempts, strict=True))
 
 

@@ -24,6 +24,7 @@ from store.services._common import (
 )
 from store.services._rows import LiveKey, attempts_locked, require_key_live
 from store.services.groups import rollouts_finished
+from store.services.spans import spans_ingest
 from store.statemachine import (
     ATTEMPT_FINAL,
     ATTEMPT_LIVE,
@@ -78,22 +79,43 @@ def attempt_update(
 
 def attempt_finish(
     *, project: Project, rollout_id: str, attempt_id: str, status: str, error: str | None = None,
-    usage: _ledger.Usage | None = None,
+    usage: _ledger.Usage | None = None, spans: Sequence[dict[str, Any]] = (),
 ) -> Attempt:
     """A runner's final verdict (succeeded or failed), with its error merged into the
     attempt's metadata under the row lock, so that nothing another writer stored (the
     watchdog's verdict) is lost, and the attempt's ledger row (`usage`: what the runner
     measured) written in the same transaction. Idempotent: finishing again with the same
-    status changes nothing; another final status raises IllegalTransition."""
+    status changes nothing; another final status raises IllegalTransition.
+
+    `spans`: the runner's last spans (`spans_ingest`'s), stored before the verdict: in the
+    verdict's transaction where the verdict takes one (the embedded SQLite default: one
+    write transaction, one turn of the file's writers, instead of two), else committed
+    first (Postgres in autocommit: the spans' asynchronous commit, then the verdict's one
+    statement). Either way a verdict is never stored without the spans sent with it, and a
+    verdict refused (IllegalTransition) leaves them stored, as when they came apart."""
     if status not in ATTEMPT_FINAL:
         raise InvalidInput("status", f"must be one of {sorted(ATTEMPT_FINAL)}")
     if _verdict.possible(attempt_id, status):
+        if spans:
+            spans_ingest(project=project, spans=spans)
+            spans = ()
         attempt = _verdict.finish(project, rollout_id, attempt_id, status, timezone.now(),
                                   error=error, usage=usage)
         if attempt is not None:
             return attempt
     update = AttemptUpdate(rollout_id, attempt_id, status, error=error, usage=usage)
-    return attempt_update_many(project=project, updates=[update])[0]
+    if not spans:
+        return attempt_update_many(project=project, updates=[update])[0]
+    refused = None
+    with transaction.atomic():
+        spans_ingest(project=project, spans=spans)
+        try:  # the verdict's transaction is a savepoint in this one: refused, it keeps the spans
+            attempt = attempt_update_many(project=project, updates=[update])[0]
+        except IllegalTransition as exc:
+            refused = exc
+    if refused is not None:
+        raise refused
+    return attempt
 
 
 def attempt_update_many(*, project: Project, updates: Sequence[AttemptUpdate],
