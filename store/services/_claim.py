@@ -345,9 +345,8 @@ _COLUMNS = "id, attempt_count, config, priority, enqueue_time, project_id, party
 # (a row another claim took since this statement's snapshot is skipped or, once committed,
 # rechecked by Postgres against the status: the queue deadline only changes with it).
 # `picked` reads its few rows by primary key (`r.id = ANY(...)`, the join's own condition
-# again): joined to `c` alone, the planner's estimate made it scan every queued rollout and
-# hash them (a cost that grew with the queue: 1.4 ms of Postgres per claim with 1,500
-# queued, 0.45 ms by key; tests/test_claim_plan.py).
+# again): joined to `c` alone, the planner's estimates made it scan every queued rollout and
+# hash them, a cost that grew with the queue (tests/test_claim_plan.py).
 _FAIR_SQL = f"""
     pa AS (
         SELECT pa.id, pa.project_id, pa.weight w, j.share_weight jw,
