@@ -432,8 +432,11 @@ def test_hot_statements_stay_within_psycopgs_parse_cache():
     parsing is not cached and every claim pays it again (the claim grew to 4.2 KB: about
     30 us of client CPU more per rollout claimed, under load)."""
     flags = list(itertools.product([False, True], repeat=3))
-    # (named, worker, key checked, ticket): a ticket (a Celery message) is never key-checked
+    # (named, worker, key checked, ticket[, uncapped only]): a ticket (a Celery message) is
+    # never key-checked
     claims = [f for f in itertools.product([False, True], repeat=4) if not (f[2] and f[3])]
+    # and a project's unnamed claim that takes nothing of a capped project (the lean dequeue's)
+    claims += [(*f, True) for f in claims if not f[0] and not f[3]]
     lengths = {f"claim{f}": len(_claim._claim_statement(*f)[0]) for f in claims}
     lengths |= {f"verdict{f}": len(_verdict._sql(*f)) for f in flags}
     lengths |= {f"export{k}": len(spans._common_sql(1, k)) for k in (False, True)}

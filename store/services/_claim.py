@@ -292,28 +292,28 @@ _DEADLINE_SQL = rules.DEADLINE.sql(
 
 
 # worker_mark_dequeued in SQL, as the last clause of the claim: the worker is busy with the
-# last rollout claimed (lowest priority, then newest), or idle when none was claimed
-# (rules.WORKER_AFTER_CLAIM).
+# last rollout claimed (`l`: lowest priority, then newest), or idle when none was claimed
+# (rules.WORKER_AFTER_CLAIM). Short aliases keep the claim under psycopg's 4 KB parse cache.
 _WORKER_SQL = f"""
-    , last AS (
+    , l AS (
         SELECT ins.rollout_id, ins.attempt_id, p.project_id
         FROM ins JOIN picked p ON p.id = ins.rollout_id
         ORDER BY p.priority, p.enqueue_time DESC LIMIT 1
     ), worker AS (
-        INSERT INTO store_worker (project_id, worker_id, status, heartbeat_stats,
+        INSERT INTO store_worker AS w (project_id, worker_id, status, heartbeat_stats,
             last_heartbeat_time, last_dequeue_time, last_busy_time, last_idle_time,
             current_rollout_id, current_attempt_id)
-        SELECT COALESCE(last.project_id, %(project)s::bigint), %(worker)s,
-            {rules.WORKER_AFTER_CLAIM.sql("last.rollout_id IS NOT NULL")}, NULL, NULL,
-            %(now)s, CASE WHEN last.rollout_id IS NULL THEN NULL ELSE %(now)s END,
-            CASE WHEN last.rollout_id IS NULL THEN %(now)s END,
-            last.rollout_id, last.attempt_id
-        FROM (SELECT 1) one LEFT JOIN last ON true
-        WHERE last.rollout_id IS NOT NULL OR %(idle_if_none)s
+        SELECT COALESCE(l.project_id, %(project)s::bigint), %(worker)s,
+            {rules.WORKER_AFTER_CLAIM.sql("l.rollout_id IS NOT NULL")}, NULL, NULL,
+            %(now)s, CASE WHEN l.rollout_id IS NULL THEN NULL ELSE %(now)s END,
+            CASE WHEN l.rollout_id IS NULL THEN %(now)s END,
+            l.rollout_id, l.attempt_id
+        FROM (SELECT 1) one LEFT JOIN l ON true
+        WHERE l.rollout_id IS NOT NULL OR %(idle_if_none)s
         ON CONFLICT (project_id, worker_id) DO UPDATE SET status = EXCLUDED.status,
             last_dequeue_time = EXCLUDED.last_dequeue_time,
-            last_busy_time = COALESCE(EXCLUDED.last_busy_time, store_worker.last_busy_time),
-            last_idle_time = COALESCE(EXCLUDED.last_idle_time, store_worker.last_idle_time),
+            last_busy_time = COALESCE(EXCLUDED.last_busy_time, w.last_busy_time),
+            last_idle_time = COALESCE(EXCLUDED.last_idle_time, w.last_idle_time),
             current_rollout_id = EXCLUDED.current_rollout_id,
             current_attempt_id = EXCLUDED.current_attempt_id
     )
@@ -324,13 +324,14 @@ def _claim_sql(scope: Project | Scope, worker_id, limit, now, rollout_id, idle_i
                live_key=None, uncapped_only: bool = False) -> list[tuple[Rollout, Attempt]]:
     scope = as_scope(scope)
     sql, defaults = _claim_statement(bool(rollout_id), bool(worker_id), live_key is not None,
-                                     scope.project is None, uncapped_only)
+                                     scope.project is None, uncapped_only,
+                                     0 if rollout_id else limit)
     params = {**defaults, "project": scope.project and scope.project.pk, "now": now,
               "worker": worker_id, "first_report": rules.first_report_seconds(),
               "ids": [rules.new_attempt_id() for _ in range(limit)],
-              "limit": limit, "rid": rollout_id, "idle_if_none": idle_if_none,
+              "rid": rollout_id, "idle_if_none": idle_if_none,
               "key": live_key and live_key[0], "key_role": live_key and live_key[1],
-              "hl": rules.usage_half_life(), "slack": CANDIDATE_SLACK,
+              "hl": rules.usage_half_life(),
               "dispatch": scope.dispatch, "fit": scope.max_timeout}
     with connection.cursor() as cursor:
         if rollout_id:
@@ -372,6 +373,9 @@ _COLUMNS = "id, attempt_count, config, priority, enqueue_time, project_id, party
 # of each party in the store's order; `picked` locks the first `limit` of them still queued
 # (a row another claim took since this statement's snapshot is skipped or, once committed,
 # rechecked by Postgres against the status: the queue deadline only changes with it).
+# `picked` reads its few rows by primary key (`r.id = ANY(...)`, the join's own condition
+# again): joined to `c` alone, the planner's estimates made it scan every queued rollout and
+# hash them, a cost that grew with the queue (tests/test_claim_plan.py).
 _FAIR_SQL = f"""
     pa AS (
         SELECT pa.id, pa.project_id, pa.weight w, j.share_weight jw,
@@ -384,11 +388,12 @@ _FAIR_SQL = f"""
             "r.priority", "s.pu", "s.jw", "s.u", "s.w", "r.enqueue_time")}) k
         FROM sh s, LATERAL (SELECT id, priority, enqueue_time FROM store_rollout
             WHERE party_id = s.id AND {rules.CLAIMABLE.sql("status", "queue_deadline", "%(now)s")}
-            {{only}} ORDER BY priority DESC, enqueue_time LIMIT %(limit)s + %(slack)s) r
+            {{only}} ORDER BY priority DESC, enqueue_time LIMIT {{candidates}}) r
     ), picked AS (
         SELECT r.* FROM store_rollout r JOIN c ON c.id = r.id
-        WHERE r.status IN ({rules.literal(QUEUED)}) {{live}}
-        ORDER BY c.k LIMIT %(limit)s FOR UPDATE OF r SKIP LOCKED
+        WHERE r.id = ANY(ARRAY(SELECT id FROM c)) AND r.status IN ({rules.literal(QUEUED)})
+          {{live}}
+        ORDER BY c.k LIMIT {{limit}} FOR UPDATE OF r SKIP LOCKED
     )"""
 
 # A named claim: the rollout, unless its project is at its cap.
@@ -411,10 +416,15 @@ _CHARGE_SQL = f"""
 rules.locks_in_order("project", "rollout", "worker", "party")
 
 
-@functools.cache
+# Texts of the claim statement kept (one per flags and limit; runners claim 1 at a time).
+CLAIM_STATEMENTS_CACHED = 256
+
+
+@functools.lru_cache(maxsize=CLAIM_STATEMENTS_CACHED)
 def _claim_statement(only_named: bool, with_worker: bool, key_checked: bool = False,
-                     ticket: bool = False, uncapped_only: bool = False) -> tuple[str, dict]:
-    """The claim statement (its text never changes, so psycopg parses it once) and the
+                     ticket: bool = False, uncapped_only: bool = False, limit: int = 1
+                     ) -> tuple[str, dict]:
+    """The claim statement (one text per flags and `limit`, so psycopg parses it once) and the
     parameters of the attempt columns that take their model default. With `key_checked`,
     it claims and records nothing unless the key `%(key)s` is live (`KEY_LIVE_SQL_NAMED`).
     With `ticket`, an unnamed claim chooses among every project's rollouts delivered by
@@ -445,18 +455,23 @@ def _claim_statement(only_named: bool, with_worker: bool, key_checked: bool = Fa
     rollout_columns = ", ".join(f"upd.{f.column}" for f in Rollout._meta.concrete_fields)
     live = f"AND {KEY_LIVE_SQL_NAMED}" if key_checked else ""
     worker = _WORKER_SQL.replace("OR %(idle_if_none)s", f"OR %(idle_if_none)s) {live}")
-    worker = worker.replace("WHERE last.rollout_id", "WHERE (last.rollout_id")
+    worker = worker.replace("WHERE l.rollout_id", "WHERE (l.rollout_id")
+    # An unnamed claim's limits are written into its text, not parameters: with `LIMIT $n`
+    # Postgres' generic plan guesses a tenth of the queue per party and costs more than a
+    # plan for the values, so it planned the statement again on every run (about 1 ms of
+    # Postgres per claim, more than running it); with numbers it keeps its generic plan.
+    limits = {"candidates": int(limit) + CANDIDATE_SLACK, "limit": int(limit)}
     if only_named:
         picked = _NAMED_SQL.format(live=live)
     elif ticket:
         only = (f"AND dispatch = %(dispatch)s AND "
                 f"{rules.FITS.sql('config', '%(fit)s::float8')}")
-        picked = _FAIR_SQL.format(scope="true", only=only, live=live)
+        picked = _FAIR_SQL.format(scope="true", only=only, live=live, **limits)
     else:
         scope = "pa.project_id = %(project)s"
         if uncapped_only:
             scope += " AND j.max_concurrent_rollouts IS NULL"
-        picked = _FAIR_SQL.format(scope=scope, only="", live=live)
+        picked = _FAIR_SQL.format(scope=scope, only="", live=live, **limits)
     sql = f"""
         WITH {picked}, ins AS (
             INSERT INTO store_attempt ({", ".join(columns)})
