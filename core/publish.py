@@ -45,6 +45,25 @@ def register_options(task: str, options_for: OptionsFor) -> None:
     _options_for[task] = options_for
 
 
+# What a task's target (the agent a rollout task runs) must be, checked where work is created
+# for it: returns why it cannot be used, or None. Registered by the app owning the task
+# (runners.apps: the agent loader), so the trainer refuses a job whose agent does not import
+# without importing runners.
+TargetCheck = Callable[[str], str | None]
+_target_checks: dict[str, TargetCheck] = {}
+
+
+def register_target_check(task: str, check: TargetCheck) -> None:
+    _target_checks[task] = check
+
+
+def target_problem(task: str, target: str) -> str | None:
+    """Why `target` cannot be run by `task`'s workers as far as this process can tell; None
+    when it can, or when no check is registered for the task."""
+    check = _target_checks.get(task)
+    return None if check is None else check(target)
+
+
 def _options(messages: Sequence[Message]) -> list[dict[str, Any]]:
     options: list[dict[str, Any]] = [{} for _ in messages]
     for task, options_for in _options_for.items():

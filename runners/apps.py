@@ -6,7 +6,7 @@ from django.core import checks
 from core import embedded
 from core.celery import app as celery_app
 from core.control import register_takeover, register_worker_devices
-from core.publish import register_options
+from core.publish import register_options, register_target_check
 from core.queues import Queue
 from core.scaling import register_backlog
 from runners.checks import check_settings
@@ -28,6 +28,8 @@ class RunnersConfig(AppConfig):
 
         # Rollout tasks carry time limits that follow each rollout's timeout (the backstop).
         register_options(services.RUN_ROLLOUT_TASK, services.rollout_task_options)
+        # A job whose agent does not import is refused where it is created, as an enqueue is.
+        register_target_check(services.RUN_ROLLOUT_TASK, services.agent_problem)
         # A worker restarted under its node name takes over its dead processes' rollouts.
         register_takeover("rollouts", lambda node, pid: len(
             services.celery_worker_take_over(name=node, pid=pid)))

@@ -254,6 +254,16 @@ def celery_worker_resend_received(*, name: str) -> int:
     return rollouts_redispatch(resend_after_seconds=0, limit=held)
 
 
+def agent_problem(agent: str) -> str | None:
+    """Why `agent` cannot be run here (it does not import, names nothing callable), or None.
+    Checked in the process that creates the work, not once per rollout on the workers."""
+    try:
+        load_agent(agent)
+    except AgentError as exc:
+        return str(exc)
+    return None
+
+
 def rollouts_enqueue_for_celery(
     *, project: Project, specs: Sequence[RolloutSpec], agent: str, party: str = ""
 ) -> list[Rollout]:
@@ -263,10 +273,8 @@ def rollouts_enqueue_for_celery(
     sweep (`rollouts_redispatch`)."""
     if not agent or len(agent) > 300 or not (":" in agent or "." in agent):
         raise InvalidInput("agent", "must be a dotted path like 'package.module:name'")
-    try:
-        load_agent(agent)  # a mistyped path fails here, not once per rollout on the workers
-    except AgentError as exc:
-        raise InvalidInput("agent", str(exc)) from None
+    if (problem := agent_problem(agent)) is not None:
+        raise InvalidInput("agent", problem)
     specs = [_with_default_unresponsive(spec) for spec in specs]
     with transaction.atomic():
         rollouts = store_services.rollout_enqueue_many(project=project, specs=specs,

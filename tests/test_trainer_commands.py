@@ -195,6 +195,12 @@ BAD_SPECS = {
                         "the algorithm 'grpo' reads it"),
     "another_algorithms_key": (_spec(config={"kl_coef": 0.1}),
                                "config.kl_coef: unknown key"),
+    "agent_name_mistyped": (_spec(agent="examples.cipher.agent.cipher_agnet"),
+                            "agent: agent 'examples.cipher.agent.cipher_agnet': "
+                            "examples.cipher.agent has no 'cipher_agnet'"),
+    "agent_not_on_path": (_spec(agent="myagents.math:agent"),
+                          "agent: agent module 'myagents.math' cannot be imported: No module "
+                          "named 'myagents' (is the directory holding it on PYTHONPATH here?"),
     "unknown_algorithm": (_spec(algorithm="gpro"),
                           "algorithm: unknown algorithm 'gpro': a built-in (grpo, baseline, "
                           "grpo_lm) or the dotted path of an Algorithm subclass"),

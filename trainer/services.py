@@ -27,6 +27,7 @@ from django.utils import timezone
 
 from core import devices
 from core.processes import process_alive
+from core.publish import target_problem
 from core.retry import DEFAULT as DB_RETRY
 from core.retry import RetryPolicy
 from core.usage import CpuMeter, cuda_held
@@ -136,6 +137,8 @@ def job_create(
     RolloutConfig.parse(merged["rollout_config"])
     if not isinstance(agent, str) or "." not in agent:
         raise InvalidInput("agent", "must be a dotted path, e.g. 'myagents.math:agent'")
+    if (problem := target_problem(delivery.ROLLOUT_TASK, agent)) is not None:
+        raise InvalidInput("agent", problem)
     for field_name, dataset in (("train_dataset", train_dataset), ("val_dataset", val_dataset)):
         if dataset is not None and not isinstance(dataset, list | tuple):
             raise InvalidInput(field_name, f"must be a list of tasks, got "
