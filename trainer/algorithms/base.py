@@ -145,10 +145,12 @@ class Algorithm(ABC):
             mine = [r for r in rollouts if r.mode == mode]
             if not mine:
                 continue
-            rewards = [r.reward for r in mine if r.succeeded and r.reward is not None]
+            # a rollout's reward is read from its spans: once each
+            succeeded = [r.reward for r in mine if r.succeeded]
+            rewards = [reward for reward in succeeded if reward is not None]
             metrics[f"{mode}_rollouts"] = len(mine)
-            metrics[f"{mode}_rollouts_failed"] = sum(1 for r in mine if not r.succeeded)
-            if unrewarded := sum(1 for r in mine if r.succeeded and r.reward is None):
+            metrics[f"{mode}_rollouts_failed"] = len(mine) - len(succeeded)
+            if unrewarded := len(succeeded) - len(rewards):
                 metrics[f"{mode}_rollouts_without_reward"] = unrewarded
             if rewards:
                 metrics[f"{mode}_reward"] = fmean(rewards)
