@@ -88,6 +88,26 @@ def live_worker_devices(queue: str) -> list[tuple[str, list[dict]]] | None:
     return _worker_devices[0](queue) if _worker_devices else None
 
 
+# Whether the process holding an attempt (its `worker_id`) is known to run now: the runners
+# app answers from the worker registry (a Celery worker's process on this machine). The trainer
+# asks before it takes back a resumed job's live attempts (`job_resume(reclaim=True)`), so
+# that work a worker started since is not taken from it.
+HolderAlive = Callable[[str], bool]
+_holder_alive: list[HolderAlive] = []
+
+
+def register_holder_alive(check: HolderAlive) -> HolderAlive:
+    """Register (or replace) the check of an attempt holder's liveness."""
+    _holder_alive[:] = [check]
+    return check
+
+
+def holder_alive(worker_id: str | None) -> bool:
+    """True only when the registered check knows the holder runs; False when it does not
+    know (another machine's process, no check wired) or knows it is gone."""
+    return bool(worker_id and _holder_alive and _holder_alive[0](worker_id))
+
+
 # What waits, and why, for pages and commands of another app (queue_watch is runners', the
 # training steps are the trainer's): each reporter takes a project id (None: every project)
 # and returns one line per waiting thing.

@@ -5,7 +5,7 @@ from django.core import checks
 
 from core import embedded
 from core.celery import app as celery_app
-from core.control import register_takeover, register_worker_devices
+from core.control import register_holder_alive, register_takeover, register_worker_devices
 from core.publish import register_options, register_target_check
 from core.queues import Queue
 from core.scaling import register_backlog
@@ -33,6 +33,8 @@ class RunnersConfig(AppConfig):
         # A worker restarted under its node name takes over its dead processes' rollouts.
         register_takeover("rollouts", lambda node, pid: len(
             services.celery_worker_take_over(name=node, pid=pid)))
+        # A resumed job's reclaim leaves attempts whose Celery process runs on this machine.
+        register_holder_alive(services.attempt_holder_alive)
         # The scaling signal counts the Celery rollouts (README "Scaling").
         register_backlog(Queue.ROLLOUTS.value, selectors.celery_rollout_backlog)
         # The trainer says why a step that needs GPUs waits from the live workers' devices.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import socket
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -237,6 +238,18 @@ def celery_worker_take_over(*, name: str, pid: int) -> list[str]:
     ])
     celery_worker_resend_received(name=name)
     return taken
+
+
+def attempt_holder_alive(worker_id: str) -> bool:
+    """Whether the Celery worker process an attempt's `worker_id` names (`celery:<node>:<pid>`,
+    worker_id_here) is known to run: its node is registered on this machine and the process
+    is alive here. A process of another machine cannot be seen from here: False (unknown)."""
+    node, _, pid = worker_id.removeprefix("celery:").rpartition(":")
+    if not worker_id.startswith("celery:") or not node or not pid.isdigit():
+        return False
+    on_this_machine = CeleryWorker.objects.filter(
+        name=node, hostname=socket.gethostname()).exists()
+    return on_this_machine and process_alive(int(pid))
 
 
 def celery_worker_resend_received(*, name: str) -> int:

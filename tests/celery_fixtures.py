@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -256,11 +256,14 @@ def wait_ready(worker: WorkerProcess, marker: str, timeout: float = READY_TIMEOU
     raise AssertionError(f"worker {worker.name} not ready in {timeout}s:\n{worker.log()[-4000:]}")
 
 
-def wait_until(predicate, *, timeout: float, interval: float = 0.2, message: str = "") -> None:
-    """Poll until `predicate()` is true; fails with `message` after `timeout` seconds. Waiting
-    for an outcome, never asserting on how long it took."""
+def wait_until(predicate, *, timeout: float, interval: float = 0.2,
+               message: str | Callable[[], str] = "") -> None:
+    """Poll until `predicate()` is true; fails with `message` after `timeout` seconds (a
+    callable is called then: the state at the timeout, not at the start). Waiting for an
+    outcome, never asserting on how long it took."""
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
-            raise AssertionError(message or f"condition not met in {timeout}s")
+            text = message() if callable(message) else message
+            raise AssertionError(text or f"condition not met in {timeout}s")
         time.sleep(interval)

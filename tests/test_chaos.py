@@ -327,7 +327,7 @@ def _in_training(job, n: int):
         step = job.steps.filter(n=n).first()
         return step is not None and step.status == StepStatus.TRAINING
     wait_until(check, timeout=300, interval=0.1,
-               message=f"step {n} never trained: {list(job.steps.values('n', 'status'))}")
+               message=lambda: f"step {n} never trained: {list(job.steps.values('n', 'status'))}")
     time.sleep(0.5)
     return job.steps.get(n=n)
 
@@ -340,7 +340,7 @@ def _job_figures(job, label: str, faults: list[tuple[str, int, float]], capsys) 
         job.refresh_from_db()
         return job.status in (JobStatus.SUCCEEDED, JobStatus.FAILED)
     wait_until(finished, timeout=400, interval=0.5,
-               message=f"job did not finish: {list(job.steps.values('n', 'status'))}")
+               message=lambda: f"job did not finish: {list(job.steps.values('n', 'status'))}")
     steps = list(job.steps.order_by("n"))
     done = [_epoch(s.timings["done"]) for s in steps]
     first_cut = min(n for _, n, _ in faults)

@@ -44,6 +44,14 @@ def finished(job: TrainingJob, sweep: bool = False) -> bool:
     return job.status in (JobStatus.SUCCEEDED, JobStatus.FAILED)
 
 
+def where(job: TrainingJob) -> str:
+    """The job's steps and its unfinished rollouts with their attempts: what a timeout shows."""
+    open_rollouts = selectors.job_rollouts(job=job).exclude(status__in=ROLLOUT_TERMINAL)
+    rows = open_rollouts.values_list("pk", "status", "latest_attempt__status",
+                                     "latest_attempt__worker_id", "dispatched_at")
+    return f"steps {list(job.steps.values_list('n', 'status'))}; open rollouts {list(rows)}"
+
+
 def test_a_killed_training_worker_step_is_sent_again_and_completes_once(
     rabbitmq_url, celery_workers, checkpoint_dir, tmp_path
 ):
@@ -59,7 +67,7 @@ def test_a_killed_training_worker_step_is_sent_again_and_completes_once(
         trainer.kill()  # SIGKILL mid-step, with the step claimed
         celery_workers(queues=["training"], broker_url=rabbitmq_url, concurrency=1, env=env)
         wait_until(lambda: finished(job, sweep=True), timeout=180,
-                   message=f"job did not finish: {list(job.steps.values('n', 'status'))}")
+                   message=lambda: f"job did not finish: {where(job)}")
     assert job.status == JobStatus.SUCCEEDED, job.error
     step0 = job.steps.get(n=0)
     assert step0.attempts == 2 and step0.status == StepStatus.DONE
@@ -89,7 +97,7 @@ def test_stopping_every_process_mid_job_then_starting_again_goes_on(
         start()
         services.job_resume(job_id=job.pk, reclaim=True)
         wait_until(lambda: finished(job, sweep=True), timeout=180,
-                   message=f"job did not finish: {list(job.steps.values('n', 'status'))}")
+                   message=lambda: f"job did not finish: {where(job)}")
     assert job.status == JobStatus.SUCCEEDED, job.error
     assert 0 in done_before
     steps = list(job.steps.values_list("n", "status", "produced_version").order_by("n"))
@@ -113,7 +121,7 @@ def test_an_async_job_whose_training_worker_is_killed_loses_nothing(
         trainer.kill()  # SIGKILL mid-step, with step 0 claimed and step 1's rollouts running
         celery_workers(queues=["training"], broker_url=rabbitmq_url, concurrency=1, env=env)
         wait_until(lambda: finished(job, sweep=True), timeout=180,
-                   message=f"job did not finish: {list(job.steps.values('n', 'status'))}")
+                   message=lambda: f"job did not finish: {where(job)}")
     assert job.status == JobStatus.SUCCEEDED, job.error
     assert job.steps.get(n=0).attempts == 2
     steps = list(job.steps.order_by("n"))

@@ -387,6 +387,42 @@ def test_a_redelivered_train_step_takes_over_at_once_from_a_dead_worker_of_its_n
     assert heir is not None and heir.attempts == 2
 
 
+def test_reclaim_takes_back_attempts_of_gone_processes_not_of_a_worker_started_since(
+        monkeypatch):
+    """`train_resume --reclaim` after a restart: a worker started again before the resume had
+    already claimed rollouts; reclaim took those attempts back too (every live attempt of the
+    job), throwing its work away and spending the rollouts' retries."""
+    import os
+    import socket
+    import subprocess
+
+    from runners import services as runners_services
+
+    capture_sends(monkeypatch)
+    job = services.job_start(job_id=make_job().pk)
+    node = "rollouts@reclaim-here"
+    runners_services.celery_worker_register(
+        name=node, hostname=socket.gethostname(), pid=os.getpid(), queues=["rollouts"],
+        concurrency=2, hardware={})
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    holders = {"gone": f"celery:{node}:{dead.pid}", "running": f"celery:{node}:{os.getpid()}",
+               "elsewhere": f"celery:rollouts@another-machine:{os.getpid()}",
+               "remote": "runner-7"}
+    attempts = {}
+    for name, holder in holders.items():
+        rollout, attempt = store_services.rollout_dequeue(project=job.project, worker_id=holder)
+        attempts[name] = (rollout.pk, attempt.attempt_id)
+    services.job_resume(job_id=job.pk, reclaim=True)
+    status = {name: store_selectors.attempt_get(project=job.project, rollout_id=r,
+                                                attempt_id=a).status
+              for name, (r, a) in attempts.items()}
+    # only the process seen running here keeps its attempt; what cannot be seen from here
+    # (another machine, a remote runner) is taken back, as the caller says they are gone
+    assert status == {"gone": "unresponsive", "running": "preparing",
+                      "elsewhere": "unresponsive", "remote": "unresponsive"}
+
+
 def test_a_train_step_message_of_a_deleted_job_does_nothing(monkeypatch):
     sent = capture_sends(monkeypatch)
     job = services.job_start(job_id=make_job().pk)

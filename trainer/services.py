@@ -25,7 +25,7 @@ from django.db import transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
-from core import devices
+from core import control, devices
 from core.processes import process_alive
 from core.publish import target_problem
 from core.retry import DEFAULT as DB_RETRY
@@ -808,10 +808,16 @@ def job_resume(*, job_id: int, reclaim: bool = False) -> TrainingJob:
 
 def _release_live_attempts(job: TrainingJob) -> None:
     """Attempts of the job still marked live belong to runners that are gone (the caller says
-    so): mark them unresponsive, as the watchdog would later, so their rollouts retry now."""
+    so): mark them unresponsive, as the watchdog would later, so their rollouts retry now.
+    Not those whose process is known to run (`core.control.holder_alive`: a worker started
+    again before the resume may already have claimed rollouts): taking them back would throw
+    its work away and spend the rollouts' retries."""
     live = selectors.job_rollouts(job=job).filter(
         status__in=[RolloutStatus.PREPARING, RolloutStatus.RUNNING])
-    for rollout_id, attempt in live.values_list("pk", "latest_attempt__attempt_id"):
+    for rollout_id, attempt, holder in live.values_list(
+            "pk", "latest_attempt__attempt_id", "latest_attempt__worker_id"):
+        if control.holder_alive(holder):
+            continue
         try:
             store_services.attempt_update(project=job.project, rollout_id=rollout_id,
                                           attempt_id=attempt, status="unresponsive")
