@@ -295,3 +295,24 @@ def test_train_parallel_and_resources_reach_the_job_config(no_sends):
     assert "config.resources.gpu_type: one job's GPUs are one type" in message
     assert "mixed types are refused" in message
     assert TrainingJob.objects.count() == 1
+
+
+def test_llm_serve_on_a_port_in_use_says_so_before_loading_anything():
+    """It printed `model gateway on http://127.0.0.1:4748/v1`, loaded its models (30 s for
+    SmolLM2 here), then uvicorn's `[Errno 98]`: agents went on calling whatever held the port
+    (another deployment's gateway: `404 Rollout ... not found`)."""
+    import socket
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen(1)
+    port = held.getsockname()[1]
+    out = StringIO()
+    try:
+        with pytest.raises(CommandError, match=rf"cannot listen on 127.0.0.1:{port}: .*in use.*"
+                                               r"--port or LLM_GATEWAY_PORT"):
+            call_command("llm_serve", "--port", str(port), "--model", "m=/nonexistent",
+                         stdout=out)
+    finally:
+        held.close()
+    assert "model gateway on" not in out.getvalue()
