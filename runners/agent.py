@@ -97,6 +97,10 @@ def call_agent(
     return _reward(result)
 
 
+# What every call offers besides the rollout's resources (by name).
+CONTEXT = ("resources", "rollout", "rollout_id", "attempt_id", "mode")
+
+
 def _keywords(fn: Callable[..., Any], resources: Mapping[str, Any], rollout: RolloutInfo) -> dict:
     offered: dict[str, Any] = dict(resources)
     offered.update(
@@ -106,12 +110,47 @@ def _keywords(fn: Callable[..., Any], resources: Mapping[str, Any], rollout: Rol
     params = list(inspect.signature(fn).parameters.values())
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return offered
+    if missing := _required(params, resources):
+        raise AgentError(unoffered(missing, resources))
     # The first positional parameter takes the input; the others are matched by name.
     named = [
         p.name for p in params[1:]
         if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     ]
     return {name: offered[name] for name in named if name in offered}
+
+
+def missing_resources(agent: Agent, resources: Mapping[str, Any] | set[str]) -> list[str]:
+    """The parameters `agent` requires (no default) that neither a resource named in
+    `resources` nor the call's context (CONTEXT) would give it."""
+    fn = agent.rollout if isinstance(agent, LitAgent) else agent
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a callable without a signature: not checked
+        return []
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return []
+    return _required(params, resources)
+
+
+def unoffered(missing: list[str], resources: Mapping[str, Any] | set[str]) -> str:
+    """Why a call cannot be made: the agent requires what the rollout does not pin."""
+    pinned = ", ".join(sorted(resources)) or "none"
+    names = ", ".join(repr(name) for name in missing)
+    return (f"the agent requires {names}, but the rollout pins no resource of that name (its "
+            f"resources: {pinned}); an agent takes the input first, then by name its "
+            f"resources and {', '.join(CONTEXT)}: pin the resource (rollouts_enqueue --llm "
+            f"MODEL, --resource NAME=JSON) or give the parameter a default")
+
+
+def _required(params: list[inspect.Parameter], resources: Mapping[str, Any] | set[str]
+              ) -> list[str]:
+    return [
+        p.name for p in params[1:]
+        if p.default is inspect.Parameter.empty and p.name not in resources
+        and p.name not in CONTEXT
+        and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    ]
 
 
 async def _await(awaitable: Any) -> Any:

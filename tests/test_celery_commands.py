@@ -121,3 +121,32 @@ def test_rollouts_enqueue_exits_non_zero_with_the_first_error_when_rollouts_fail
     assert json.loads(out.getvalue().splitlines()[-1]) == {"failed": 3}
     assert "3 of 3 rollouts failed" in str(raised.value)
     assert "ValueError: bad input" in str(raised.value)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_agent_that_requires_a_resource_nothing_pins_is_refused_then_said_plainly(
+    project, settings, monkeypatch
+):
+    """The README's agent (`def agent(task, llm, rollout)`) enqueued without `--llm` failed
+    every rollout with `TypeError: agent() missing 1 required positional argument: 'llm'`."""
+    from django.core.management.base import CommandError
+
+    from runners.agent import AgentError, RolloutInfo, call_agent, load_agent
+
+    settings.EMBEDDED_WORKERS = False
+    with pytest.raises(CommandError, match=r"requires 'llm', but the rollout pins no resource "
+                                           r"of that name \(its resources: none\).*--llm"):
+        call_command("rollouts_enqueue", project.name, "--agent",
+                     "tests.celery_agents:llm_agent", stdout=StringIO())
+    assert not project.rollouts.exists()
+    # with the resource pinned, it is enqueued
+    monkeypatch.setattr(services, "dispatches_send", lambda dispatches: None)
+    call_command("rollouts_enqueue", project.name, "--agent", "tests.celery_agents:llm_agent",
+                 "--resource", 'llm={"resource_type": "llm", "endpoint": "http://x"}',
+                 stdout=StringIO())
+    assert project.rollouts.count() == 1
+    # a rollout that reaches a worker without it fails saying why, not with a TypeError
+    info = RolloutInfo(rollout_id="ro-1", attempt_id="at-1")
+    with pytest.raises(AgentError, match=r"requires 'llm'.*its resources: checkpoint"):
+        call_agent(load_agent("tests.celery_agents:llm_agent"), task={},
+                   resources={"checkpoint": {}}, rollout=info)
