@@ -379,7 +379,16 @@ def rollouts_first_error(*, rollout_ids: Sequence[str]) -> str | None:
     )
     if not error and attempt is not None:
         error = f"attempt {attempt.attempt_id} ended {attempt.status}"
-    return f"rollout {failed.pk}: {error or 'failed'}"
+    return f"rollout {failed.pk}: {_what_then_where(error or 'failed')}"
+
+
+def _what_then_where(error: str) -> str:
+    """A traceback led by its last line (the exception: what a reader needs first), then the
+    traceback itself."""
+    lines = [line for line in error.splitlines() if line.strip()]
+    if len(lines) < 2 or not lines[0].startswith("Traceback (most recent call last)"):
+        return error
+    return f"{lines[-1]}\n{error}"
 
 
 def claims_held_by(*, project: Project | None, worker_id: str, since: datetime,

@@ -120,7 +120,9 @@ def test_rollouts_enqueue_exits_non_zero_with_the_first_error_when_rollouts_fail
                      stdout=out, stderr=StringIO())
     assert json.loads(out.getvalue().splitlines()[-1]) == {"failed": 3}
     assert "3 of 3 rollouts failed" in str(raised.value)
-    assert "ValueError: bad input" in str(raised.value)
+    # the exception first (the traceback below it): not a screen of frames to scroll back over
+    assert ": ValueError: bad input" in str(raised.value).splitlines()[0]
+    assert "Traceback (most recent call last)" in str(raised.value)
 
 
 @pytest.mark.django_db(transaction=True)
