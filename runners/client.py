@@ -172,15 +172,22 @@ class StoreClient:
         return response.json(), rollout_id in _cancelled(response)
 
     def finish_attempt(self, rollout_id: str, attempt_id: str, *, status: str,
-                       error: str | None = None, usage: dict[str, Any] | None = None
-                       ) -> dict[str, Any]:
+                       error: str | None = None, usage: dict[str, Any] | None = None,
+                       spans: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
         """Extension: the runner's final verdict, its error merged into the attempt's metadata
         by the server, and what the attempt used (`usage`: cpu_seconds, gpu_seconds,
         gpu_type) for the ledger; repeating it with the same status is harmless (so it is
-        retried)."""
+        retried). `spans`: the attempt's last spans, stored before the verdict in the same
+        request (more than one batch's worth: the earlier ones are posted first)."""
+        spans = list(spans)
+        head, tail = spans[:-self.span_batch], spans[-self.span_batch:]
+        if head:
+            self.add_spans(head)
         body: dict[str, Any] = {"status": status, "error": error}
         if usage is not None:
             body["usage"] = usage
+        if tail:
+            body["spans"] = tail
         response = self.request("POST", f"/rollouts/{rollout_id}/attempts/{attempt_id}/finish",
                                 json=body)
         return response.json()

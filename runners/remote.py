@@ -75,11 +75,10 @@ class HttpGateway:
         self, *, rollout_id: str, attempt_id: str, status: str, error: str | None = None,
         usage: Usage | None = None, spans: Sequence[dict[str, Any]] = (),
     ) -> None:
-        if spans:  # the finish request carries no spans: they go first, as their own request
-            self.client.add_spans(spans)
-        try:
+        try:  # the last spans travel with the verdict: one request
             self.client.finish_attempt(rollout_id, attempt_id, status=status, error=error,
-                                       usage=dataclasses.asdict(usage) if usage else None)
+                                       usage=dataclasses.asdict(usage) if usage else None,
+                                       spans=spans)
         except ApiError as exc:
             if exc.status != CONFLICT:
                 raise

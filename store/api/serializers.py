@@ -224,13 +224,6 @@ class UsageIn(serializers.Serializer):
     gpu_type = StrictCharField(required=False, default="", allow_blank=True, max_length=100)
 
 
-class FinishAttemptIn(serializers.Serializer):
-    status = serializers.ChoiceField(choices=sorted(ATTEMPT_FINAL))
-    error = StrictCharField(required=False, allow_null=True, trim_whitespace=False,
-                                  max_length=ERROR_MAX)
-    usage = UsageIn(required=False, allow_null=True)
-
-
 class AttemptUpdateItemIn(UpdateAttemptIn):
     rollout_id = StrictCharField(max_length=ID_MAX)
     attempt_id = StrictCharField(max_length=ID_MAX)
@@ -458,6 +451,18 @@ class SpanBatchIn(serializers.Serializer):
     spans = serializers.ListField(
         child=SpanField(), help_text=f"At most {limits.MAX_SPANS_PER_REQUEST} spans (else 413)."
     )
+
+
+class FinishAttemptIn(serializers.Serializer):
+    status = serializers.ChoiceField(choices=sorted(ATTEMPT_FINAL))
+    error = StrictCharField(required=False, allow_null=True, trim_whitespace=False,
+                                  max_length=ERROR_MAX)
+    usage = UsageIn(required=False, allow_null=True)
+    spans = serializers.ListField(
+        child=SpanField(), required=False, help_text=(
+            f"The attempt's last spans, stored before the verdict (as `/spans/batch` stores "
+            f"them): a verdict is never stored without them. At most "
+            f"{limits.MAX_SPANS_PER_REQUEST} (else 413)."))
 
 
 class ProjectIn(serializers.Serializer):

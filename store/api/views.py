@@ -256,6 +256,7 @@ class FinishAttemptView(StoreView):
     @extend_schema(request=s.FinishAttemptIn, responses={200: s.AttemptOut},
                    operation_id="finish_attempt")
     def post(self, request: Request, rollout_id: str, attempt_id: str) -> Response:
+        _at_most_spans(request)
         data = self.body(s.FinishAttemptIn)
         usage = data.pop("usage", None)
         attempt = services.attempt_finish(
@@ -431,15 +432,20 @@ class AddSpanView(StoreView):
         return respond(s.SpanOut, ingested.rows[0], status=201, cancelled=ingested.cancelled)
 
 
+def _at_most_spans(request: Request) -> None:
+    """413 for a body with more spans than a request may carry, before any is checked."""
+    raw = request.data.get("spans") if isinstance(request.data, dict) else None
+    if isinstance(raw, list) and len(raw) > limits.MAX_SPANS_PER_REQUEST:
+        raise PayloadTooLarge(f"more than {limits.MAX_SPANS_PER_REQUEST} spans")
+
+
 class AddSpanBatchView(StoreView):
     """Extension: many spans in one batched insert (our client uses it)."""
 
     @extend_schema(request=s.SpanBatchIn, responses={200: s.SpanBatchOut},
                    operation_id="add_spans_batch")
     def post(self, request: Request) -> Response:
-        raw = request.data.get("spans") if isinstance(request.data, dict) else None
-        if isinstance(raw, list) and len(raw) > limits.MAX_SPANS_PER_REQUEST:
-            raise PayloadTooLarge(f"more than {limits.MAX_SPANS_PER_REQUEST} spans")
+        _at_most_spans(request)
         spans = self.body(s.SpanBatchIn)["spans"]
         ingested = services.spans_ingest(project=self.project, spans=spans)
         rows, cancelled = ingested.rows, ingested.cancelled

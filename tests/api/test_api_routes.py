@@ -265,6 +265,33 @@ def test_a_span_batch_over_many_attempts_heartbeats_each_of_them(algo, runner):
         assert got["attempt"]["last_heartbeat_time"] is not None
 
 
+def test_finish_attempt_stores_the_spans_it_carries_before_its_verdict(algo, runner):
+    """Our runner sent its last spans, then the verdict: two requests per attempt end."""
+    first = _enqueue(algo)[0]["rollout_id"]
+    aid = _dequeue(runner)[0]["attempt"]["attempt_id"]
+    path = f"/rollouts/{first}/attempts/{aid}/finish"
+    spans = [{**SPAN, "rollout_id": first, "attempt_id": aid, "sequence_id": 1 + i,
+              "span_id": f"{i:016x}"} for i in range(3)]
+    # a span of an attempt the store does not know: 404, nothing stored, no verdict
+    unknown = {**spans[0], "attempt_id": "at-nosuch"}
+    refused = runner.post(path, json={"status": "succeeded", "spans": [spans[0], unknown]})
+    assert refused.status_code == 404, refused.text
+    assert algo.get(f"/rollouts/{first}").json()["status"] != "succeeded"
+    assert algo.get("/spans", params={"rollout_id": first}).json()["total"] == 0
+    # more spans than a request may carry: 413 before any is looked at
+    many = [{**spans[0], "span_id": f"{i:016x}"} for i in range(5001)]
+    assert runner.post(path, json={"status": "succeeded", "spans": many}).status_code == 413
+    done = runner.post(path, json={"status": "succeeded", "spans": spans})
+    assert done.status_code == 200, done.text
+    assert done.json()["status"] == "succeeded"
+    stored = algo.get("/spans", params={"rollout_id": first}).json()
+    assert sorted(s["span_id"] for s in stored["items"]) == [s["span_id"] for s in spans]
+    # a repeat (the answer was lost) changes nothing: the spans are duplicates
+    again = runner.post(path, json={"status": "succeeded", "spans": spans})
+    assert again.status_code == 200
+    assert algo.get("/spans", params={"rollout_id": first}).json()["total"] == 3
+
+
 def test_finish_attempt_merges_the_error_and_is_idempotent(algo, runner):
     rid = _enqueue(algo)[0]["rollout_id"]
     aid = _dequeue(runner)[0]["attempt"]["attempt_id"]
