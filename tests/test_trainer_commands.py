@@ -268,6 +268,10 @@ def test_spec_files_are_accepted_and_their_mistakes_named(tmp_path, monkeypatch,
     message = train_error("examples.cipher", "--set", "stpes=3", "--set", "lrr=0.1")
     assert message.startswith("config.lrr: unknown key (did you mean 'lr'?)")
     assert "also unknown: stpes" in message and "Known keys: " in message
+    # a value that cannot work is refused too; `--steps 0` was taken as "the spec's default"
+    assert train_error("examples.cipher", "--set", "val_every=0") == (
+        "config.val_every: must be >= 1, got 0")
+    assert "steps" in train_error("examples.cipher", "--steps", "0")
     assert TrainingJob.objects.count() == 2
 
 

@@ -275,6 +275,48 @@ def test_a_config_key_nobody_reads_is_refused_naming_the_nearest():
     assert TrainingJob.objects.count() == 3
 
 
+@pytest.mark.parametrize(("config", "field", "message"), [
+    ({"val_every": 0}, "config.val_every", "must be >= 1, got 0"),  # was a ZeroDivisionError
+    ({"group_size": 1}, "config.group_size", "must be >= 2, got 1 (a group's rewards are"),
+    ({"tasks_per_step": 0}, "config.tasks_per_step", "must be >= 1, got 0"),
+    ({"group_size": 2.5}, "config.group_size", "must be an integer, got 2.5"),
+    ({"lr": -1}, "config.lr", "must be > 0, got -1"),
+    ({"lr": "abc"}, "config.lr", "must be a finite number, got 'abc'"),
+    ({"lr": float("nan")}, "config.lr", "must be a finite number, got nan"),
+    ({"epochs": True}, "config.epochs", "must be an integer, got True"),
+    ({"max_failed_rollout_share": 2}, "config.max_failed_rollout_share",
+     "must be >= 0 and <= 1, got 2"),
+    ({"keep_last": 0}, "config.keep_last", "must be >= 1, got 0"),
+    ({"step_lease_seconds": 0}, "config.step_lease_seconds", "must be > 0, got 0"),
+    ({"steps": 0}, "config.steps", "must be >= 1, got 0"),
+])
+def test_a_config_value_that_cannot_work_is_refused_naming_the_key(config, field, message):
+    """`val_every: 0` failed the job with ZeroDivisionError; a group of one rollout, no tasks
+    per step, a fractional group: jobs that "succeeded" training on nothing, exit 0."""
+    spec = job_spec(seed=0, steps=1)
+    with pytest.raises(InvalidInput) as raised:
+        services.job_create(
+            project=store_services.project_create(name="config-values"), agent=spec["agent"],
+            algorithm="grpo", config={**spec["config"], **config},
+            train_dataset=spec["train_dataset"])
+    assert (raised.value.field, raised.value.message[:len(message)]) == (field, message)
+    assert not TrainingJob.objects.exists()
+
+
+def test_config_rules_are_the_algorithms_own():
+    """grpo_lm reads the group keys by the same rules; an algorithm that declares none (a
+    REINFORCE on one rollout per task) may run a group of one; baseline only evaluates."""
+    spec = job_spec(seed=0, steps=1)
+    project = store_services.project_create(name="config-rules")
+    for algorithm in ("examples.reinforce.REINFORCE", "baseline"):
+        services.job_create(project=project, agent=spec["agent"], algorithm=algorithm,
+                            config={**spec["config"], "group_size": 1},
+                            train_dataset=spec["train_dataset"])
+    from trainer.algorithms.grpo_lm import GRPOLM
+    assert GRPOLM.config_rules["kl_coef"].problem(-0.1) == "must be >= 0, got -0.1"
+    assert GRPOLM.config_rules["micro_batch"].problem(0) == "must be >= 1, got 0"
+
+
 def test_the_same_seed_gives_the_same_checkpoints(monkeypatch):
     sent = capture_sends(monkeypatch)
     shas = []

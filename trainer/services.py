@@ -40,7 +40,7 @@ from store.statemachine import ROLLOUT_TERMINAL, RolloutConfig, RolloutStatus
 from trainer import checkpoints, delivery, distributed, pool, selectors, staleness
 from trainer.algorithms import Algorithm, algorithm_class, algorithm_load
 from trainer.algorithms.base import BASE_CONFIG_KEYS
-from trainer.config_keys import unknown_key_error
+from trainer.config_keys import JOB_RULES, unknown_key_error, value_error
 from trainer.lease import lease_kept
 from trainer.models import (
     GROUP_OWNER,
@@ -132,8 +132,8 @@ def job_create(
 ) -> TrainingJob:
     """A pending job; `job_start` starts it. The algorithm is built once to check the config."""
     merged = {**JOB_DEFAULTS, **config}
-    if not isinstance(merged["steps"], int) or merged["steps"] < 1:
-        raise InvalidInput("config.steps", "must be an integer >= 1")
+    if (problem := value_error(merged, JOB_RULES)) is not None:
+        raise InvalidInput(*problem)
     RolloutConfig.parse(merged["rollout_config"])
     if not isinstance(agent, str) or "." not in agent:
         raise InvalidInput("agent", "must be a dotted path, e.g. 'myagents.math:agent'")
@@ -150,6 +150,8 @@ def job_create(
     declared = None if cls.config_keys is None else cls.config_keys | BASE_CONFIG_KEYS
     if (problem := unknown_key_error(config, job_keys=set(JOB_DEFAULTS) | JOB_OPTIONAL_KEYS,
                                      algorithm=algorithm, declared=declared)) is not None:
+        raise InvalidInput(*problem)
+    if (problem := value_error(config, cls.config_rules)) is not None:
         raise InvalidInput(*problem)
     try:
         built = cls(merged)

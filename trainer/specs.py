@@ -103,7 +103,7 @@ def spec_build(source: SpecSource, *, where: str, seed: int | None,
     from a file takes them into its config."""
     if callable(source):
         try:
-            spec = source(seed=seed or 0, **({"steps": steps} if steps else {}))
+            spec = source(seed=seed or 0, **({"steps": steps} if steps is not None else {}))
         except Exception as exc:  # the user's function
             raise SpecError(f"{where}: job_spec() failed: {exc!r}") from None
         return spec_check(spec, where=where)

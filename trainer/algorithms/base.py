@@ -11,13 +11,14 @@ given it (seeds are derived from the job's seed and the step index).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from statistics import fmean
 from typing import Any, ClassVar
 
 from trainer import checkpoints
 from trainer.algorithms.adapter import FinishedRollout, Sample, TripletAdapter
+from trainer.config_keys import Rule
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,10 @@ class Algorithm(ABC):
     #: holds a key that nobody reads is refused at creation (a typo is an error, not a setting
     #: silently ignored); None: not declared, not checked.
     config_keys: ClassVar[frozenset[str] | None] = None
+    #: What the values of its keys must be (`trainer.config_keys.Rule`: an integer or a finite
+    #: number, a minimum, a maximum), checked at job creation with the trainer's own
+    #: (`JOB_RULES`): a value that cannot work (`val_every: 0`) is refused there, naming the key.
+    config_rules: ClassVar[Mapping[str, Rule]] = {}
     #: What `samples` makes samples of, named when a step's rollouts gave none (`no_samples`).
     sample_source: ClassVar[str] = ("`lightning.decision` spans (trainer/conventions.py), "
                                     "each with a reward in its rollout")

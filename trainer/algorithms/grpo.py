@@ -22,6 +22,7 @@ from store.errors import InvalidInput
 from trainer import checkpoints, distributed
 from trainer.algorithms.adapter import Sample
 from trainer.algorithms.base import Algorithm, PlannedRollout, Update, step_seed
+from trainer.config_keys import GROUP_RULES
 
 DEFAULTS: dict[str, Any] = {
     "policy_kwargs": {},
@@ -111,6 +112,7 @@ class GRPO(Algorithm):
     runs_ddp = True  # world_size > 1: DDP over local ranks (trainer/distributed.py)
     runs_fsdp = True  # ... or FSDP2 with `parallel: fsdp`
     config_keys = frozenset(DEFAULTS) | {"policy"}
+    config_rules = GROUP_RULES
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__({**DEFAULTS, **config})

@@ -46,6 +46,7 @@ from trainer.algorithms.adapter import FinishedRollout
 from trainer.algorithms.base import Algorithm, PlannedRollout, Update, step_seed
 from trainer.algorithms.grpo import group_advantages, plan_groups
 from trainer.algorithms.token_adapter import TokenAdapter, TokenSample
+from trainer.config_keys import GROUP_RULES
 from trainer.llm import lora as lora_
 from trainer.llm import models, sampling
 
@@ -80,6 +81,7 @@ class GRPOLM(Algorithm):
     # each rank trains on its contiguous shard of the samples (trainer/distributed.py).
     runs_ddp = True
     config_keys = frozenset(DEFAULTS) | {"model", "model_name", "lora"}
+    config_rules = GROUP_RULES
     sample_source = ("the LLM calls the agent made through the model gateway (its `llm` "
                      "resource's endpoint), each with a reward in its rollout")
 
