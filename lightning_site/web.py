@@ -35,7 +35,11 @@ def default_workers() -> int:
     configured = os.environ.get("WEB_WORKERS")
     if configured:
         return int(configured)
-    return max(1, len(os.sched_getaffinity(0)) // 2)
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux: every CPU the machine has
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // 2)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -17,6 +17,15 @@ def test_half_the_cpus_at_least_one(monkeypatch, cpus, expected):
     assert web.default_workers() == expected
 
 
+def test_without_cpu_affinity_the_cpu_count(monkeypatch):
+    monkeypatch.delenv("WEB_WORKERS", raising=False)
+    monkeypatch.delattr(web.os, "sched_getaffinity", raising=False)  # macOS, Windows
+    monkeypatch.setattr(web.os, "cpu_count", lambda: 8)
+    assert web.default_workers() == 4
+    monkeypatch.setattr(web.os, "cpu_count", lambda: None)  # undeterminable
+    assert web.default_workers() == 1
+
+
 def test_web_workers_overrides(monkeypatch):
     monkeypatch.setattr(web.os, "sched_getaffinity", lambda pid: set(range(2)))
     monkeypatch.setenv("WEB_WORKERS", "3")
