@@ -5,7 +5,8 @@ Prints figures; asserts nothing. Not a test.
         .venv/bin/python bench/agl_mix_bench.py [--seconds 30] [--agent returns-reward]
 
 For each server in turn, (a) ours (`python -m lightning_site.web`, uvicorn and the ASGI front,
-on Postgres, as bench/api_bench.py starts it) and (b) AGL 0.3's `agl store --backend memory`
+on Postgres, as bench/api_bench.py starts it, with the server's own default number of
+processes unless `--workers` says otherwise) and (b) AGL 0.3's `agl store --backend memory`
 (bench/agl_mix_side.py `store`: AGL's own server and store, plus a route counter): resources
 are added, `--rollouts` rollouts enqueued, then `--runners` unmodified AGL runner processes
 start (bench/agl_mix_side.py `runners`, in .venv-agl: AGL's `LitAgentRunner` with its default
@@ -40,10 +41,13 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import psycopg
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import api_bench as ab  # noqa: E402 - sets Django up
 from bench.serverstats import CpuMeter, commits, percentiles  # noqa: E402
+from lightning_site.web import default_workers  # noqa: E402
 
 SIDE = ab.ROOT / "bench" / "agl_mix_side.py"
 AGL_PYTHON = ab.ROOT / ".venv-agl" / "bin" / "python"
@@ -132,6 +136,13 @@ def latencies(out_dir: str, start: float, end: float) -> dict[str, list[float]]:
     return by_route
 
 
+def analyze(database: str) -> None:
+    """The store's tables' statistics after the enqueue, as autovacuum would gather them on a
+    default Postgres (this machine's has it off; the bench empties the tables each run)."""
+    with psycopg.connect(**ab._dsn(), dbname=database, autocommit=True) as conn:
+        conn.execute(f"ANALYZE {', '.join(ab.TABLES)}")
+
+
 def measure(name: str, url: str, key: str, server: subprocess.Popen, database: str | None,
             parent: subprocess.Popen, args) -> dict:
     ours = database is not None
@@ -139,6 +150,8 @@ def measure(name: str, url: str, key: str, server: subprocess.Popen, database: s
     with ab.httpx.Client(base_url=url + "/v1/agl", timeout=120, headers=headers) as client:
         client.post("/resources", json=RESOURCES).raise_for_status()
     ab.enqueue(url, key, args.rollouts)
+    if ours and args.analyze:
+        analyze(database)
     runner_url = url.replace("http://", f"http://runner:{key}@") if ours else url
     out_dir = tempfile.mkdtemp(prefix="agl-mix-")
     tell(parent, f"run {runner_url} {out_dir}", "ready")
@@ -189,9 +202,13 @@ def main() -> None:
     parser.add_argument("--agent", choices=["returns-reward", "emits-reward"],
                         default="returns-reward")
     parser.add_argument("--rollouts", type=int, default=1500, help="enqueued per server")
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=default_workers(),
+                        help="our server's processes (default: its own, $WEB_WORKERS or half "
+                             "the CPUs; AGL's is one process)")
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--skip-agl", action="store_true")
+    parser.add_argument("--analyze", action="store_true",
+                        help="ANALYZE our store's tables after the enqueue")
     args = parser.parse_args()
     print(f"load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; "
           f"agent {args.agent}, {args.rounds} rounds")

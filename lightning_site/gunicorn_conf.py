@@ -13,9 +13,11 @@ import os
 
 from prometheus_client import multiprocess
 
+from lightning_site.web import default_workers
+
 bind = f"0.0.0.0:{os.environ.get('PORT', '8000')}"
 worker_class = "gthread"
-workers = int(os.environ.get("WEB_WORKERS", "4"))
+workers = default_workers()  # as python -m lightning_site.web
 threads = int(os.environ.get("WEB_THREADS", "8"))
 timeout = 90
 # Access lines for every API request would drown the workers' logs; errors still go to stderr.
