@@ -421,6 +421,10 @@ LLM_GATEWAY_SWITCH_INTERVAL_MS = env_float("LLM_GATEWAY_SWITCH_INTERVAL_MS", 0.5
 # supervised by the gateway, trainer/llm/engine_client.py), away from the GIL of the process
 # doing HTTP, authentication and recording. Off: all in one process (as the embedded default).
 LLM_GATEWAY_ENGINE_PROCESS = env_bool("LLM_GATEWAY_ENGINE_PROCESS", True)
+# The same for the embedded default's gateway (a thread of `train`'s process).
+LLM_EMBEDDED_ENGINE_PROCESS = env_bool("LLM_EMBEDDED_ENGINE_PROCESS", False)
+# ... and its switch interval while the embedded gateway runs (0: Python's default).
+LLM_EMBEDDED_SWITCH_INTERVAL_MS = env_float("LLM_EMBEDDED_SWITCH_INTERVAL_MS", 0.0, minimum=0.0)
 # Upstream mode: forward to this OpenAI-compatible server (vLLM, SGLang) instead of a local
 # engine, recording the token ids it returns.
 LLM_GATEWAY_UPSTREAM_URL = env_str("LLM_GATEWAY_UPSTREAM_URL")
