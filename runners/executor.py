@@ -5,13 +5,13 @@ The same code runs under the Celery rollout task (LocalGateway) and the remote r
 thread heartbeats and ships spans in batches, emit the returned reward, and finish the attempt
 `succeeded` or `failed` with the error recorded. When the store says the rollout was cancelled,
 the agent is stopped: `RolloutInfo.cancelled` is set and `AttemptCancelled` is raised in the
-agent's thread. When the store had already ended the attempt (the watchdog's timeout), the
-agent is stopped the same way and nothing is reported: the store's verdict stands ("ended").
+agent's thread once it runs the agent's own code (runners/cancel_guard.py). When the store had
+already ended the attempt (the watchdog's timeout), the agent is stopped the same way and
+nothing is reported: the store's verdict stands ("ended").
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 import traceback
@@ -22,6 +22,7 @@ from django.db import connections
 
 from runners.agent import Agent, RolloutInfo, call_agent, load_agent
 from runners.agl_compat import call_agl_agent, is_agl_agent
+from runners.cancel_guard import AttemptCancelled, CancelGuard
 from runners.gateway import STOP_CANCELLED, STOP_ENDED, Claim, StoreGateway
 from runners.llm import route_llm_resources
 from runners.stopping import HeldSlots, Stopper, may_exit_process
@@ -35,11 +36,6 @@ FAILED = "failed"
 CANCELLED = "cancelled"
 ENDED = "ended"  # the store ended the attempt (the watchdog's timeout): nothing reported
 MAX_ERROR_CHARS = 8000
-
-
-class AttemptCancelled(BaseException):
-    """Raised in the agent's thread when its rollout is cancelled. A BaseException, so that an
-    agent's `except Exception` does not swallow it."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +83,7 @@ def _execute(gateway: StoreGateway, claim: Claim, agent: Agent | str, worker_id:
         resources_id=claim.resources_id, resources_version=claim.resources_version,
         config=claim.config, metadata=claim.metadata, sequence_id=claim.sequence_id,
     )
-    guard = _CancelGuard(info)
+    guard = CancelGuard(info)
     watcher = _Watcher(gateway, claim, worker_id, options.heartbeat_seconds, guard)
     with attempt_tracing(rollout_id=claim.rollout_id, attempt_id=claim.attempt_id,
                          batch_size=options.span_batch_size, on_full=watcher.wake) as spans:
@@ -122,7 +118,7 @@ def _execute(gateway: StoreGateway, claim: Claim, agent: Agent | str, worker_id:
 
 
 def _run(gateway: StoreGateway, claim: Claim, agent: Agent | str, info: RolloutInfo,
-         guard: _CancelGuard) -> Outcome:
+         guard: CancelGuard) -> Outcome:
     try:
         try:
             if guard.stop_requested:
@@ -142,7 +138,7 @@ def _run(gateway: StoreGateway, claim: Claim, agent: Agent | str, info: RolloutI
                 AGL_ROLLOUT, attributes={"agentlightning.rollout_id": claim.rollout_id,
                                          "agentlightning.attempt_id": claim.attempt_id},
             ):
-                guard.enter()
+                guard.enter(fn)
                 run = call_agl_agent if is_agl_agent(fn) else call_agent
                 reward = run(fn, task=claim.input, resources=resources, rollout=info)
                 guard.leave()
@@ -170,51 +166,11 @@ def _describe(exc: BaseException) -> str:
     return text if len(text) <= MAX_ERROR_CHARS else "..." + text[-MAX_ERROR_CHARS:]
 
 
-class _CancelGuard:
-    """Stops the agent's thread at most once, and only while the agent runs."""
-
-    def __init__(self, info: RolloutInfo) -> None:
-        self.info = info
-        self.thread_id = threading.get_ident()
-        self.stop_requested = False
-        self.ended = False  # the stop came because the store ended the attempt
-        self._lock = threading.Lock()
-        self._running = False
-        self._injected = False
-
-    def enter(self) -> None:
-        with self._lock:
-            self._running = not self.stop_requested
-        if self.stop_requested:
-            raise AttemptCancelled()
-
-    def leave(self) -> None:
-        with self._lock:
-            self._running = False
-            if self._injected:
-                # Drop a stop that was raised too late to land inside the agent.
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_id), None)
-
-    def running(self) -> bool:
-        return self._running
-
-    def cancel(self, *, ended: bool = False) -> None:
-        self.ended = self.ended or ended
-        self.info.cancelled.set()
-        with self._lock:
-            self.stop_requested = True
-            if self._running and not self._injected:
-                self._injected = True
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                    ctypes.c_ulong(self.thread_id), ctypes.py_object(AttemptCancelled)
-                )
-
-
 class _Watcher(threading.Thread):
     """Heartbeats the attempt and ships its spans while the agent runs."""
 
     def __init__(self, gateway: StoreGateway, claim: Claim, worker_id: str, interval: float,
-                 guard: _CancelGuard) -> None:
+                 guard: CancelGuard) -> None:
         super().__init__(name=f"heartbeat-{claim.attempt_id}", daemon=True)
         self.gateway = gateway
         self.claim = claim

@@ -55,7 +55,7 @@ def test_what_the_broker_refused_is_sent_when_a_worker_reconnects(
             return rollout.status == "succeeded"
 
         wait_until(succeeded, timeout=60, interval=0.2,
-                   message=f"the refused rollout stayed {rollout.status}")
+                   message=lambda: f"the refused rollout stayed {rollout.status}")
     with capsys.disabled():
         print(f"\nbroker back after 5 s: the rollout it refused succeeded "
               f"{time.monotonic() - back:.1f} s later")
@@ -100,7 +100,7 @@ def test_a_message_in_flight_when_the_broker_dies_is_not_counted_as_sent(
             return rollout.status == "succeeded"
 
         wait_until(succeeded, timeout=60, interval=0.2,
-                   message=f"the rollout stayed {rollout.status}: its message was lost")
+                   message=lambda: f"the rollout stayed {rollout.status}: its message was lost")
     with capsys.disabled():
         print(f"\nbroker died with a publish in flight: the rollout succeeded "
               f"{time.monotonic() - back:.1f} s after the broker was back")

@@ -43,7 +43,7 @@ def sweep_until(rollout, statuses: set[str], timeout: float = 90) -> Rollout:
         return rollout.status in statuses
 
     wait_until(done, timeout=timeout, interval=0.3,
-               message=f"rollout stuck in {rollout.status}")
+               message=lambda: f"rollout stuck in {rollout.status}")
     return rollout
 
 

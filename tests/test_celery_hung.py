@@ -51,7 +51,7 @@ def test_two_hung_agents_at_c2_free_their_slots_and_six_more_rollouts_finish(
         return list(rows).count("succeeded") == 8
 
     wait_until(all_succeeded, timeout=90, interval=0.3,
-               message=f"rollouts stuck: {list(Rollout.objects.values_list('status', flat=True))}")
+               message=lambda: f"rollouts stuck: {list(Rollout.objects.values_list('status', flat=True))}")
     for rollout in hung:  # the store's verdict stood, and the retry the config asks for ran
         attempts = Attempt.objects.filter(rollout=rollout).order_by("sequence_id")
         assert [a.status for a in attempts] == ["timeout", "succeeded"]

@@ -30,7 +30,7 @@ def test_200_rollouts_all_succeed_with_their_spans(project, broker_url, sending_
         project=project, specs=[RolloutSpec(input={"i": i}) for i in range(200)], agent=OK_AGENT
     )
     wait_until(lambda: statuses(project).get("succeeded") == 200, timeout=240,
-               message=f"not all succeeded: {statuses(project)}")
+               message=lambda: f"not all succeeded: {statuses(project)}")
     assert Attempt.objects.filter(rollout__project=project).count() == 200
     # ok_agent: its library span, a message, the reward, and the executor's root span.
     assert Span.objects.filter(rollout__project=project).count() == 4 * 200

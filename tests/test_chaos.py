@@ -150,7 +150,7 @@ def test_nothing_is_lost_stuck_or_duplicated_and_each_fault_recovers(
     faults.append(("kill -9 of the rollout worker mid-rollout, restarted", began, time.time()))
     stream.run_for(30)
     wait_until(stream.all_finished, timeout=400, interval=1,
-               message=f"{len(stream.ids) - stream.finished()} rollouts never finished")
+               message=lambda: f"{len(stream.ids) - stream.finished()} rollouts never finished")
 
     by_status, duplicated = stream.outcome()
     with capsys.disabled():
@@ -291,7 +291,7 @@ def _postgres_restart_mid_stream(cluster, server, capsys) -> None:
     probe.stop()
     stream.run_for(27)
     wait_until(stream.all_finished, timeout=400, interval=1,
-               message=f"{len(stream.ids) - stream.finished()} rollouts never finished")
+               message=lambda: f"{len(stream.ids) - stream.finished()} rollouts never finished")
     by_status, duplicated = stream.outcome()
     seconds = recovery_seconds(project, began, over)
     shown = "not within the run" if seconds is None else f"{seconds:.1f} s"

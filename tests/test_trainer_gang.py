@@ -169,7 +169,7 @@ def test_a_gang_waits_for_its_missing_node_then_2_workers_x_2_ranks_match_world_
             seen.extend(reason for _, reason in selectors.waiting_steps(job_id=job.pk))
             return any("1 joined" in r for r in seen) and "did not form" in first.log()
 
-        wait_until(reason_shown, timeout=300, message=f"no gang waiting reason: {seen[-3:]}")
+        wait_until(reason_shown, timeout=300, message=lambda: f"no gang waiting reason: {seen[-3:]}")
         print(f"\nwaiting: {next(r for r in seen if '1 joined' in r)}")
         step.refresh_from_db()
         assert step.status == StepStatus.READY and step.attempts == 0  # nothing started

@@ -58,7 +58,7 @@ def test_a_message_received_by_a_worker_killed_before_its_claim_is_sent_again(
         return rollout.status == "succeeded"
 
     wait_until(finished, timeout=120, interval=0.2,
-               message=f"the rollout stayed {rollout.status} (its message was with the dead "
+               message=lambda: f"the rollout stayed {rollout.status} (its message was with the dead "
                        "worker)")
     with capsys.disabled():
         print(f"\nworker killed between receiving a message and claiming: the rollout "
