@@ -19,6 +19,16 @@ def free_port(settings) -> None:
     settings.LLM_GATEWAY_PORT = 0  # any free port: other runs may hold the default
 
 
+@pytest.fixture(autouse=True)
+def python_switch_interval():
+    """Python's default interval to start from, whatever a test before in this process set
+    (an in-process `llm_serve` sets its own); given back after."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    yield
+    sys.setswitchinterval(interval)
+
+
 def test_by_default_everything_runs_in_this_process(transactional_db, settings) -> None:
     settings.LLM_EMBEDDED_ENGINE_PROCESS = False
     settings.LLM_EMBEDDED_SWITCH_INTERVAL_MS = 0.0

@@ -31,12 +31,11 @@ class Command(BaseCommand):
 
         import uvicorn
 
-        if settings.LLM_GATEWAY_SWITCH_INTERVAL_MS:  # this process's threads hand over sooner
-            sys.setswitchinterval(settings.LLM_GATEWAY_SWITCH_INTERVAL_MS / 1000)
-
         # The port first: taken (another gateway, an earlier llm_serve still running), say so
         # now, not after loading the models, and never print an address this process lacks.
         listener = _listen(options["host"], options["port"])
+        if settings.LLM_GATEWAY_SWITCH_INTERVAL_MS:  # this process's threads hand over sooner
+            sys.setswitchinterval(settings.LLM_GATEWAY_SWITCH_INTERVAL_MS / 1000)
         try:
             gateway = build_gateway(models=options["model"], upstream_url=options["upstream"],
                                     upstream_key=options["upstream_key"],
