@@ -3,10 +3,10 @@
 `AttemptCancelled` is raised in the agent's thread with `PyThreadState_SetAsyncExc`: Python
 raises it at the thread's next bytecode, wherever that is. Landing inside a library the agent
 called, it can leave that library's shared state broken: raised inside httpx's connection pool
-it left the pool's lock held, and every later request of every thread sharing the client (the
-usual module-level OpenAI or httpx client) waited forever; an asynchronous LLM job's worker
-stalled with all 64 slots held that way (five injections into 64 threads sharing one
-`httpx.Client` were enough, tests/test_cancel_guard.py). So the stop is raised only while the
+it left every later request of every thread sharing the client (the usual module-level OpenAI
+or httpx client) waiting forever, no timeout firing; an asynchronous LLM job's worker stalled
+with all 64 slots held that way (five injections into 64 threads sharing one `httpx.Client`
+were enough; tests/test_cancel_guard.py). So the stop is raised only while the
 thread runs the agent's own code: the innermost Python frame of the thread is a file of the
 agent's top-level package (its directory). Python checks for a pending exception when a
 function starts, so it is raised in the agent's code or at the entry of the next function
