@@ -8,7 +8,7 @@ import dataclasses
 import logging
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -22,7 +22,8 @@ from core.processes import process_alive
 from core.publish import Message, publish
 from core.queues import Queue
 from runners import stopping
-from runners.agent import AgentError, load_agent
+from runners.agent import AgentError, load_agent, missing_resources, unoffered
+from runners.agl_compat import is_agl_agent
 from runners.executor import ENDED, FAILED, ExecutorOptions, Outcome, execute
 from runners.gateway import Claim
 from runners.held_slots import HeldSlotRecorder, held_slots_forget
@@ -275,6 +276,21 @@ def agent_problem(agent: str) -> str | None:
     except AgentError as exc:
         return str(exc)
     return None
+
+
+def agent_resources_problem(agent: str, resources: Mapping[str, Any]) -> str | None:
+    """Why `agent` cannot run on rollouts pinning `resources` (it requires a parameter that
+    neither they nor the call's context give: every rollout would fail with `missing 1
+    required positional argument: 'llm'`), or None. An agent that does not import is
+    `agent_problem`'s to say; AGL's LitAgent is called as AGL's runner calls it."""
+    try:
+        loaded = load_agent(agent)
+    except AgentError:
+        return None
+    if is_agl_agent(loaded):
+        return None
+    missing = missing_resources(loaded, resources)
+    return unoffered(missing, resources) if missing else None
 
 
 def rollouts_enqueue_for_celery(

@@ -8,8 +8,6 @@ from django.core.management.base import BaseCommand, CommandError
 from core.console import progress_stream, quiet_libraries
 from core.embedded import embedded_workers
 from runners import selectors, services
-from runners.agent import AgentError, load_agent, missing_resources, unoffered
-from runners.agl_compat import is_agl_agent
 from runners.llm import PROXY_LLM
 from runners.management.commands._progress import follow, project_named, reward_line
 from store import selectors as store_selectors
@@ -58,7 +56,10 @@ class Command(BaseCommand):
         inputs = self._inputs(opts)  # checked before anything is created
         resources = _resources(opts["resource"], opts["llm"])
         project = project_named(opts["project"], create=opts["create_project"])
-        _check_agent_takes(opts["agent"], resources or _latest_resources(project))
+        problem = services.agent_resources_problem(
+            opts["agent"], resources or _latest_resources(project))
+        if problem is not None:
+            raise CommandError(f"agent {opts['agent']}: {problem}")
         resources_id = None
         if resources:
             try:
@@ -108,19 +109,6 @@ class Command(BaseCommand):
 def _latest_resources(project) -> dict:
     latest = store_selectors.resources_latest(project=project)
     return dict(latest.resources) if latest is not None else {}
-
-
-def _check_agent_takes(agent: str, resources: dict) -> None:
-    """An agent that requires a resource the rollouts would not pin fails every rollout
-    (`missing 1 required positional argument: 'llm'`): refused before anything is queued."""
-    try:
-        loaded = load_agent(agent)
-    except AgentError:
-        return  # the enqueue says why it cannot be imported
-    if is_agl_agent(loaded):  # AGL's LitAgent is called as AGL's runner calls it
-        return
-    if missing := missing_resources(loaded, resources):
-        raise CommandError(f"agent {agent}: {unoffered(missing, resources)}")
 
 
 def _resources(items: list[str], llm_model: str | None) -> dict:
