@@ -7,7 +7,9 @@ thread heartbeats and ships spans in batches, emit the returned reward, and fini
 the agent is stopped: `RolloutInfo.cancelled` is set and `AttemptCancelled` is raised in the
 agent's thread once it runs the agent's own code (runners/cancel_guard.py). When the store had
 already ended the attempt (the watchdog's timeout), the agent is stopped the same way and
-nothing is reported: the store's verdict stands ("ended").
+nothing is reported: the store's verdict stands ("ended"). An agent that raises is asked about
+once: if the store had stopped its attempt by then (a cancelled rollout's LLM call is refused
+before the next heartbeat tells the runner), the stop is its end, not a failure.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ FAILED = "failed"
 CANCELLED = "cancelled"
 ENDED = "ended"  # the store ended the attempt (the watchdog's timeout): nothing reported
 MAX_ERROR_CHARS = 8000
+CANCELLED_ERROR = "cancelled: the rollout was cancelled while running"
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,14 @@ def _execute(gateway: StoreGateway, claim: Claim, agent: Agent | str, worker_id:
         watcher.start()
         try:
             outcome = _run(gateway, claim, agent, info, guard)
+            if outcome.status == FAILED and _stopped_by_store(gateway, claim, worker_id, guard):
+                # The agent failed after the store stopped its attempt, most likely because
+                # of it (the model gateway refuses a cancelled rollout's calls, 409): the
+                # stop is the attempt's end, not a failure of the agent's.
+                log.info("attempt %s/%s: the agent failed after its rollout was stopped: %s",
+                         claim.rollout_id, claim.attempt_id, last_line(outcome.error))
+                outcome = Outcome(CANCELLED, error=f"{CANCELLED_ERROR} (the agent then failed:"
+                                                   f" {last_line(outcome.error)})")
         finally:
             watcher.stop()
         if outcome.status == CANCELLED and guard.ended:
@@ -147,11 +158,36 @@ def _run(gateway: StoreGateway, claim: Claim, agent: Agent | str, info: RolloutI
         finally:
             guard.leave()
     except AttemptCancelled:
-        return Outcome(CANCELLED, error="cancelled: the rollout was cancelled while running")
+        return Outcome(CANCELLED, error=CANCELLED_ERROR)
     except Exception as exc:  # the agent's failure is the attempt's failure, recorded
         log.info("attempt %s/%s failed: %r", claim.rollout_id, claim.attempt_id, exc)
         return Outcome(FAILED, error=_describe(exc))
     return Outcome(SUCCEEDED, reward=reward)
+
+
+def _stopped_by_store(gateway: StoreGateway, claim: Claim, worker_id: str,
+                      guard: CancelGuard) -> bool:
+    """Whether the store had stopped the attempt (its rollout cancelled, or the attempt
+    ended) by the time its agent failed: known already (the watcher's last tick), else asked
+    once (a heartbeat: it answers why to stop). A store that cannot be reached says no."""
+    if guard.stop_requested:
+        return True
+    try:
+        stop = gateway.heartbeat(rollout_id=claim.rollout_id, attempt_id=claim.attempt_id,
+                                 worker_id=worker_id)
+    except Exception:
+        log.debug("could not ask the store whether %s/%s was stopped", claim.rollout_id,
+                  claim.attempt_id, exc_info=True)
+        return False
+    if stop:
+        guard.cancel(ended=stop == STOP_ENDED)  # the agent has returned: nothing is raised
+    return bool(stop)
+
+
+def last_line(error: str | None) -> str:
+    """The exception line of a traceback: what Flower shows as the task's result."""
+    lines = [line for line in (error or "").splitlines() if line.strip()]
+    return lines[-1] if lines else "failed"
 
 
 def _ship_rest(gateway: StoreGateway, spans: Any) -> None:

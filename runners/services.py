@@ -24,7 +24,7 @@ from core.queues import Queue
 from runners import stopping
 from runners.agent import AgentError, load_agent, missing_resources, unoffered
 from runners.agl_compat import is_agl_agent
-from runners.executor import ENDED, FAILED, ExecutorOptions, Outcome, execute
+from runners.executor import ENDED, FAILED, ExecutorOptions, Outcome, execute, last_line
 from runners.gateway import Claim
 from runners.held_slots import HeldSlotRecorder, held_slots_forget
 from runners.local_gateway import LocalGateway
@@ -148,7 +148,7 @@ def _run_claimed(gateway: LocalGateway, claim: Claim, worker_id: str, meter: Usa
     outcome: Outcome = execute(gateway=gateway, claim=claim, agent=claim.agent,
                                worker_id=worker_id, options=options)
     if outcome.status == FAILED:
-        raise RolloutFailed(f"{claim.rollout_id}/{claim.attempt_id}: {_last_line(outcome.error)}")
+        raise RolloutFailed(f"{claim.rollout_id}/{claim.attempt_id}: {last_line(outcome.error)}")
     if outcome.status == ENDED:  # the watchdog's verdict (timeout): the task failed too
         ended = Attempt.objects.filter(rollout_id=claim.rollout_id,
                                        attempt_id=claim.attempt_id).first()
@@ -164,12 +164,6 @@ def _send_one_owed(project_id: int) -> None:
                             project_id=project_id)
     except Exception:  # the database or broker is down: the reconcile sends it
         log.exception("could not send an owed rollout message")
-
-
-def _last_line(error: str | None) -> str:
-    """The exception line of a traceback: what Flower shows as the task's result."""
-    lines = [line for line in (error or "").splitlines() if line.strip()]
-    return lines[-1] if lines else "failed"
 
 
 def _owe_message(rollout_id: str) -> None:

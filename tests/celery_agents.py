@@ -58,6 +58,18 @@ def looping_agent(task, rollout):
     return 0.0
 
 
+def fails_once_cancelled_agent(task, rollout):
+    """Its rollout is cancelled while it runs (here by itself, through the store, as a trainer
+    re-planning a group does), and its next call fails because of it, before the runner's
+    watcher has seen the cancellation: as an LLM call the model gateway refuses (409) does."""
+    from store import services
+    from store.models import Rollout
+
+    project = Rollout.objects.get(pk=rollout.rollout_id).project
+    services.rollout_update(project=project, rollout_id=rollout.rollout_id, status="cancelled")
+    raise RuntimeError("409 Conflict: the rollout was cancelled; its calls are no longer recorded")
+
+
 def die_once_agent(task):
     """First run: records its pid in `task["marker"]` and blocks (the test kills it). Later runs:
     succeed."""

@@ -164,6 +164,21 @@ def test_cancellation_stops_a_running_agent(project):
     assert "cancelled" in rollout.latest_attempt.metadata["error"]
 
 
+def test_an_agent_failing_after_its_rollout_was_cancelled_ends_cancelled_not_failed(project):
+    """An asynchronous job's re-planned rollouts: the agent's LLM call is refused (409) once
+    the trainer cancelled the rollout, and the agent raises before the runner's watcher saw
+    the cancellation. That is the stop, not a failure: no RolloutFailed (Celery logged each
+    as an ERROR with a traceback), the attempt's error says it was cancelled."""
+    slow = ExecutorOptions(heartbeat_seconds=30, span_batch_size=100)  # the watcher sees nothing
+    outcome, rollout = run_one(project, "tests.celery_agents:fails_once_cancelled_agent",
+                               options=slow)
+    assert outcome.status == "cancelled"
+    assert rollout.status == "cancelled" and rollout.latest_attempt.status == "failed"
+    error = rollout.latest_attempt.metadata["error"]
+    assert error.startswith("cancelled: the rollout was cancelled while running")
+    assert "RuntimeError: 409 Conflict" in error
+
+
 @pytest.mark.django_db  # inside the test's transaction: nothing commits, nothing is sent
 def test_enqueue_for_celery_sends_only_after_commit(project, django_capture_on_commit_callbacks):
     with django_capture_on_commit_callbacks() as callbacks:
