@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 _STOP = None
+_Future = asyncio.Future  # what `run` hands over (the C class: loop.create_future's type)
 
 
 class Pool:
@@ -39,6 +40,13 @@ class Pool:
         self._calls.put((loop, future, fn, args))
         return future
 
+    def submit(self, fn: Callable[..., Any], args: tuple,
+               done: Callable[[Any, BaseException | None], None]) -> None:
+        """`fn(*args)` on a pool thread, then `done(result, None)` (or `done(None, exc)`) on
+        the running loop's thread: `run` without a future, for a caller that is a callback
+        itself (lightning_site/leanwire.py)."""
+        self._calls.put((asyncio.get_running_loop(), done, fn, args))
+
     def shutdown(self) -> None:
         """Threads stop once the calls queued before this one are done."""
         for _ in self._threads:
@@ -50,6 +58,13 @@ class Pool:
             if call is _STOP:
                 return
             loop, future, fn, args = call
+            if type(future) is not _Future:  # submit's callback
+                try:
+                    _call_back(loop, future, fn(*args), None)
+                except BaseException as exc:
+                    _call_back(loop, future, None, exc)
+                del call, future, args
+                continue
             if future.cancelled():  # its request went away while it waited
                 continue
             try:
@@ -59,6 +74,14 @@ class Pool:
             else:
                 _hand_back(loop, future.set_result, future, result)
             del call, future, args  # no reference kept while the thread waits for the next
+
+
+def _call_back(loop: asyncio.AbstractEventLoop, done: Callable, result: Any,
+               exc: BaseException | None) -> None:
+    try:
+        loop.call_soon_threadsafe(done, result, exc)
+    except RuntimeError:  # the loop closed (the server is stopping): nobody is waiting
+        pass
 
 
 def _hand_back(loop: asyncio.AbstractEventLoop, setter: Callable, future: asyncio.Future,
