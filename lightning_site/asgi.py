@@ -38,6 +38,11 @@ What it adds over running Django under gunicorn's threads:
 
 Every other request (and each run of a waiting one) goes through Django's WSGI handler on a
 pool of WEB_THREADS threads, unchanged: the same views, validation, statuses and bodies.
+
+Under `python -m lightning_site.web` (WEB_LEAN_PROTOCOL=1) the lean routes are answered one
+level lower, in uvicorn's HTTP protocol (lightning_site/leanwire.py), without the ASGI cycle:
+it reads this front's route table (`lean_route`) and calls its lean calls (`_inline`,
+`_fast` on its pool); a request it leaves to Django comes here marked LEAN_DECLINED.
 """
 
 from __future__ import annotations

@@ -304,3 +304,18 @@ def test_a_lean_request_makes_no_task(project, key, monkeypatch):
     finally:
         front.pool.shutdown()
         connections.close_all()  # the loop thread's (this one's), with its lock_timeout
+
+
+@pytest.mark.parametrize(("one_write", "lean", "expected"), [
+    ("1", "1", "LeanProtocol"), ("1", "0", "OneWriteProtocol"), ("0", "1", "auto")])
+def test_the_server_runs_the_lean_protocol_by_default(monkeypatch, one_write, lean, expected):
+    from lightning_site import web
+
+    seen = {}
+    monkeypatch.setattr("uvicorn.run", lambda app, **kwargs: seen.update(kwargs))
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "")
+    monkeypatch.setenv("WEB_THREADS", "8")  # main() sets it for its processes
+    monkeypatch.setenv("WEB_ONE_WRITE", one_write)
+    monkeypatch.setenv("WEB_LEAN_PROTOCOL", lean)
+    web.main([])
+    assert getattr(seen["http"], "__name__", seen["http"]) == expected
