@@ -172,6 +172,21 @@ def test_keep_alive_and_connection_close(servers, project, key):
     assert [b"connection: close" in a for a in answers[0]] == [False, False, False, True]
 
 
+def test_http_1_0_is_answered_and_closed_alike(servers, project, key):
+    rs = services.resources_add(project=project, resources={"llm": {"resource_type": "llm"}})
+    data = _request("GET", f"/v1/agl/resources/{rs.resource_set.resources_id}", key).replace(
+        b"HTTP/1.1\r\n", b"HTTP/1.0\r\n", 1)
+    answers = []
+    for server in servers:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=15) as sock:
+            sock.sendall(data)
+            reader = _Reader(sock)
+            answers.append(reader.response())
+            assert reader.closed()
+    assert answers[0] == answers[1]
+    assert answers[0].startswith(b"HTTP/1.1 200 OK") and b"connection: close" in answers[0]
+
+
 def test_a_pipelined_series_is_answered_in_order(servers, project, key):
     rs = services.resources_add(project=project, resources={"llm": {"resource_type": "llm"}})
     read = _request("GET", f"/v1/agl/resources/{rs.resource_set.resources_id}", key)
