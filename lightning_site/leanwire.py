@@ -36,7 +36,6 @@ compare its answers with the ASGI path's, byte for byte). WEB_LEAN_PROTOCOL=0 tu
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 import urllib.parse
 from functools import partial
@@ -53,7 +52,6 @@ from uvicorn.protocols.http.httptools_impl import (
 
 from lightning_site.onewrite import OneWriteProtocol
 
-_JSON = (b"content-type", b"application/json")
 _CLOSE = (b"connection", b"close")
 # uvicorn's own answer to an application that failed (RequestResponseCycle.send_500_response)
 _FAILED = (500, [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", b"21"),
@@ -103,19 +101,17 @@ def _front_of(app: Any) -> Any:
     return None
 
 
-def _detail(message: str) -> bytes:
-    return json.dumps({"detail": message}).encode()  # the front's words (asgi._detail)
-
-
 class LeanProtocol(OneWriteProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         front = _front_of(self.app)
         self.front = None if front is None or self.limit_concurrency is not None else front
         if self.front is not None:
-            from lightning_site.asgi import LEAN_DECLINED
+            from lightning_site import asgi  # loaded already: the front is its application
 
-            self._declined_key = LEAN_DECLINED
+            self._declined_key = asgi.LEAN_DECLINED
+            self._refusal = asgi._JSON + [_CLOSE]  # the front's 408 / 413, in its words
+            self._detail = asgi._detail
         self._default_headers: list | None = None
         self._default_head = b""
 
@@ -258,8 +254,8 @@ class LeanProtocol(OneWriteProtocol):
         if request.timer is not None:
             request.timer.cancel()
             request.timer = None
-        content = _detail(message)
-        self._lean_write(request, status, [_JSON, _CLOSE,
+        content = self._detail(message)
+        self._lean_write(request, status, [*self._refusal,
                                            (b"content-length", b"%d" % len(content))], content)
 
     def _lean_timed_out(self, request: LeanRequest) -> None:
