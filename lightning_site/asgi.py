@@ -118,12 +118,12 @@ class Front:
     def __init__(self, wsgi, *, threads: int, body_timeout: float, max_body: int,
                  slots: WaitSlots, fast=None, fast_json=None,  # noqa: ANN001
                  inline: frozenset = frozenset(), awaited_routes: dict | None = None,
-                 awaited_connections: int = 0) -> None:
+                 awaited_connections: int = 0, lifo: bool = False) -> None:
         # fast: fastpath.otlp_traces; fast_json: fastjson.route
         self.wsgi, self.fast, self.fast_json = wsgi, fast, fast_json
         self._traces = None if fast is None else (
             fastpath.TRACES_PATH, lambda headers, path, body: fast(headers, body))
-        self.pool = handoff.Pool(threads, name="web")
+        self.pool = handoff.Pool(threads, name="web", lifo=lifo)
         self.body_timeout, self.max_body, self.slots = body_timeout, max_body, slots
         self.inline_routes = frozenset(inline)
         self._inline_raw = None  # the loop thread's connection, once lock_timeout is set on it
@@ -408,6 +408,7 @@ def build() -> Front:
                              if os.environ.get("WEB_AWAITED", "0") == "1"
                              and connections[DEFAULT_DB_ALIAS].vendor == "postgresql" else 0),
         threads=int(os.environ.get("WEB_THREADS", "8")),
+        lifo=os.environ.get("WEB_POOL_LIFO", "1") == "1",
         body_timeout=settings.WEB_BODY_TIMEOUT_SECONDS,
         max_body=settings.STORE_API_MAX_BODY_BYTES,
         slots=WaitSlots(settings.STORE_API_MAX_WAITS_PER_KEY,
