@@ -38,6 +38,11 @@ What it adds over running Django under gunicorn's threads:
 
 Every other request (and each run of a waiting one) goes through Django's WSGI handler on a
 pool of WEB_THREADS threads, unchanged: the same views, validation, statuses and bodies.
+
+Under `python -m lightning_site.web` (WEB_LEAN_PROTOCOL=1) the lean routes are answered one
+level lower, in uvicorn's HTTP protocol (lightning_site/leanwire.py), without the ASGI cycle:
+it reads this front's route table (`lean_route`) and calls its lean calls (`_inline`,
+`_fast` on its pool); a request it leaves to Django comes here marked LEAN_DECLINED.
 """
 
 from __future__ import annotations
@@ -75,6 +80,9 @@ RETRY_AFTER_SECONDS = 2
 # everything through Django stay on the pool's threads.
 INLINE_ROUTES = frozenset({fastpath.TRACES_PATH, fastjson.SPANS_PATH, fastjson.RESOURCE_ROUTE})
 INLINE_LOCK_TIMEOUT_MS = 50
+# A scope key the protocol sets on a request its lean path left to Django: the front does not
+# offer it to the lean path again.
+LEAN_DECLINED = "lightning.lean_declined"
 RERUN_INTERVAL = 0.1  # seconds between two runs of one waiting request, at least
 
 
@@ -110,10 +118,12 @@ class Front:
     def __init__(self, wsgi, *, threads: int, body_timeout: float, max_body: int,
                  slots: WaitSlots, fast=None, fast_json=None,  # noqa: ANN001
                  inline: frozenset = frozenset(), awaited_routes: dict | None = None,
-                 awaited_connections: int = 0) -> None:
+                 awaited_connections: int = 0, lifo: bool = False) -> None:
         # fast: fastpath.otlp_traces; fast_json: fastjson.route
         self.wsgi, self.fast, self.fast_json = wsgi, fast, fast_json
-        self.pool = handoff.Pool(threads, name="web")
+        self._traces = None if fast is None else (
+            fastpath.TRACES_PATH, lambda headers, path, body: fast(headers, body))
+        self.pool = handoff.Pool(threads, name="web", lifo=lifo)
         self.body_timeout, self.max_body, self.slots = body_timeout, max_body, slots
         self.inline_routes = frozenset(inline)
         self._inline_raw = None  # the loop thread's connection, once lock_timeout is set on it
@@ -130,14 +140,18 @@ class Front:
         body = await self._read_body(scope, receive, send)
         if body is None:
             return
-        lean = self._lean(scope)
+        # LEAN_DECLINED: the protocol (lightning_site/leanwire.py) already ran the lean path,
+        # which left the request to Django.
+        lean = None if scope.get(LEAN_DECLINED) else self.lean_route(
+            scope["method"], scope["path"], scope["query_string"])
         if lean is not None:
+            method, path, headers = scope["method"], scope["path"], dict(scope["headers"])
             if lean[0] in self.inline_routes:
-                answer = self._inline(lean, scope, body)
+                answer = self._inline(lean, method, path, headers, body)
             elif lean[0] in self.awaited_routes:
-                answer = await self._awaited(lean, scope, body)
+                answer = await self._awaited(lean, method, path, headers, body)
             else:
-                answer = await self.pool.run(self._fast, lean, scope, body)
+                answer = await self.pool.run(self._fast, lean, method, path, headers, body)
             if answer is not None:
                 await self._send(send, *answer)
                 return
@@ -204,29 +218,30 @@ class Front:
                          _detail(f"request body over {self.max_body} bytes"))
         return None
 
-    def _lean(self, scope: dict) -> tuple | None:
+    def lean_route(self, method: str, path: str, query_string: bytes) -> tuple | None:
         """(route label, handler(headers, path, body)) of a lean path that may answer the
-        request, or None."""
-        if scope["path"] == fastpath.TRACES_PATH and scope["method"] == "POST":
-            if self.fast is not None:
-                return fastpath.TRACES_PATH, lambda headers, path, body: self.fast(headers, body)
-            return None
+        request, or None: the one route table of the lean paths, which this front and the
+        protocol below it (lightning_site/leanwire.py) both read."""
+        if path == fastpath.TRACES_PATH and method == "POST":
+            return self._traces
         if self.fast_json is not None:
-            return self.fast_json(scope["method"], scope["path"], scope["query_string"])
+            return self.fast_json(method, path, query_string)
         return None
 
-    def _fast(self, lean: tuple, scope: dict, body: bytes) -> tuple | None:
+    def _fast(self, lean: tuple, method: str, path: str, headers: dict, body: bytes
+              ) -> tuple | None:
         """A lean path (store/api/fastpath.py, fastjson.py), counted in /metrics like
         Django's. A handler returns None (Django answers) before it stored anything."""
         route, handler = lean
         started = time.perf_counter()
-        answer = handler(dict(scope["headers"]), scope["path"], body)
+        answer = handler(headers, path, body)
         if answer is not None:
             http_latency.labels(route).observe(time.perf_counter() - started)
-            http_requests.labels(route, scope["method"], str(answer[0])).inc()
+            http_requests.labels(route, method, str(answer[0])).inc()
         return answer
 
-    async def _awaited(self, lean: tuple, scope: dict, body: bytes) -> tuple | None:
+    async def _awaited(self, lean: tuple, method: str, path: str, headers: dict, body: bytes
+                       ) -> tuple | None:
         """A lean route of AWAITED_ROUTES: checked on the loop's thread (as `_inline`), its
         one statement awaited on an awaited connection (a synchronous commit: the loop serves
         others meanwhile). Where the maker declines, every awaited connection is in use, or
@@ -235,8 +250,7 @@ class Front:
         route, _ = lean
         started = time.perf_counter()
         try:
-            made = self._on_loop_thread(self.awaited_routes[route], dict(scope["headers"]),
-                                        scope["path"], body)
+            made = self._on_loop_thread(self.awaited_routes[route], headers, path, body)
         except Exception:  # stored nothing: the thread's path answers, in its words
             log.debug("awaited lean path: declined", exc_info=True)
             made = None
@@ -254,11 +268,12 @@ class Front:
                     answer = await self.pool.run(answer)
             if answer is not None:
                 http_latency.labels(route).observe(time.perf_counter() - started)
-                http_requests.labels(route, scope["method"], str(answer[0])).inc()
+                http_requests.labels(route, method, str(answer[0])).inc()
                 return answer
-        return await self.pool.run(self._fast, lean, scope, body)
+        return await self.pool.run(self._fast, lean, method, path, headers, body)
 
-    def _inline(self, lean: tuple, scope: dict, body: bytes) -> tuple | None:
+    def _inline(self, lean: tuple, method: str, path: str, headers: dict, body: bytes
+                ) -> tuple | None:
         """A lean path run on the event loop's own thread, on that thread's own connection,
         for INLINE_ROUTES: their one statement is short and never waits for a WAL flush, so
         the hand-off to a pool thread and back (and another of the pool's connections) cost
@@ -266,7 +281,7 @@ class Front:
         transaction on the same rollout, a sweep) fails the statement, which stored nothing,
         and the request goes to Django's path on a thread, as any None does: the loop is never
         held up longer than that by another transaction."""
-        return self._on_loop_thread(self._fast, lean, scope, body)
+        return self._on_loop_thread(self._fast, lean, method, path, headers, body)
 
     def _on_loop_thread(self, fn, *args: Any) -> Any:  # noqa: ANN001
         """`fn(*args)` on the event loop's thread, with that thread's own Django connection
@@ -393,6 +408,7 @@ def build() -> Front:
                              if os.environ.get("WEB_AWAITED", "0") == "1"
                              and connections[DEFAULT_DB_ALIAS].vendor == "postgresql" else 0),
         threads=int(os.environ.get("WEB_THREADS", "8")),
+        lifo=os.environ.get("WEB_POOL_LIFO", "1") == "1",
         body_timeout=settings.WEB_BODY_TIMEOUT_SECONDS,
         max_body=settings.STORE_API_MAX_BODY_BYTES,
         slots=WaitSlots(settings.STORE_API_MAX_WAITS_PER_KEY,

@@ -14,51 +14,110 @@ drops it).
 from __future__ import annotations
 
 import asyncio
+import collections
 import queue
 import threading
 from collections.abc import Callable
 from typing import Any
 
-_STOP = None
+_STOP = object()
+_Future = asyncio.Future  # what `run` hands over (the C class: loop.create_future's type)
 
 
 class Pool:
-    """`threads` daemon threads running calls handed over by `run`."""
+    """`threads` daemon threads running calls handed over by `run`.
 
-    def __init__(self, threads: int, name: str = "web") -> None:
+    `lifo`: a call goes to the thread that became idle last (each idle thread waits on a
+    queue of its own), so a light load keeps to the same few threads and their database
+    connections, warm, instead of every thread in turn; with none idle, calls wait in order
+    for the next thread to finish."""
+
+    def __init__(self, threads: int, name: str = "web", lifo: bool = False) -> None:
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._lifo = lifo
+        self._lock = threading.Lock()
+        self._idle: list[queue.SimpleQueue] = []  # idle threads' own queues, the last on top
+        self._backlog: collections.deque = collections.deque()  # calls no thread was idle for
         self._threads = [threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True)
                          for i in range(threads)]
         for thread in self._threads:
             thread.start()
 
+    def _put(self, call: Any) -> None:
+        if not self._lifo:
+            self._calls.put(call)
+            return
+        with self._lock:
+            if not self._idle:
+                self._backlog.append(call)
+                return
+            inbox = self._idle.pop()
+        inbox.put(call)
+
     def run(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
         """`fn(*args)` on a pool thread; await the future for its result (or exception)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._calls.put((loop, future, fn, args))
+        self._put((loop, future, fn, args))
         return future
+
+    def submit(self, fn: Callable[..., Any], args: tuple,
+               done: Callable[[Any, BaseException | None], None]) -> None:
+        """`fn(*args)` on a pool thread, then `done(result, None)` (or `done(None, exc)`) on
+        the running loop's thread: `run` without a future, for a caller that is a callback
+        itself (lightning_site/leanwire.py)."""
+        self._put((asyncio.get_running_loop(), done, fn, args))
 
     def shutdown(self) -> None:
         """Threads stop once the calls queued before this one are done."""
         for _ in self._threads:
-            self._calls.put(_STOP)
+            self._put(_STOP)
+
+    def _ready(self, inbox: queue.SimpleQueue | None) -> Any:
+        """With `lifo`: the oldest call no thread was idle for, or None having put this
+        thread on top of the idle ones (before its result goes back: the caller's next call
+        finds it idle)."""
+        if inbox is None:
+            return None
+        with self._lock:
+            if self._backlog:
+                return self._backlog.popleft()
+            self._idle.append(inbox)
+        return None
 
     def _work(self) -> None:
+        inbox = queue.SimpleQueue() if self._lifo else None
+        call = self._ready(inbox)
         while True:
-            call = self._calls.get()
+            if call is None:
+                call = inbox.get() if inbox is not None else self._calls.get()
             if call is _STOP:
                 return
             loop, future, fn, args = call
-            if future.cancelled():  # its request went away while it waited
-                continue
-            try:
-                result = fn(*args)
-            except BaseException as exc:  # handed to the awaiting request, as an executor would
-                _hand_back(loop, future.set_exception, future, exc)
-            else:
-                _hand_back(loop, future.set_result, future, result)
-            del call, future, args  # no reference kept while the thread waits for the next
+            back: tuple | None = None
+            if type(future) is not _Future:  # submit's callback
+                try:
+                    back = (_call_back, loop, future, fn(*args), None)
+                except BaseException as exc:
+                    back = (_call_back, loop, future, None, exc)
+            elif not future.cancelled():  # else its request went away while it waited
+                try:
+                    back = (_hand_back, loop, future.set_result, future, fn(*args))
+                except BaseException as exc:  # to the awaiting request, as an executor would
+                    back = (_hand_back, loop, future.set_exception, future, exc)
+            del call, future, args
+            call = self._ready(inbox)
+            if back is not None:
+                back[0](*back[1:])
+            del back  # no reference kept while the thread waits for the next
+
+
+def _call_back(loop: asyncio.AbstractEventLoop, done: Callable, result: Any,
+               exc: BaseException | None) -> None:
+    try:
+        loop.call_soon_threadsafe(done, result, exc)
+    except RuntimeError:  # the loop closed (the server is stopping): nobody is waiting
+        pass
 
 
 def _hand_back(loop: asyncio.AbstractEventLoop, setter: Callable, future: asyncio.Future,

@@ -50,6 +50,13 @@ class HeadWithBody:
             if not self._transport.is_closing():
                 self._transport.write(held)
 
+    def write_whole(self, data: bytes) -> None:
+        """A whole response (head and body in `data`): written at once, after a head still
+        held (lightning_site/leanwire.py)."""
+        if self._held is not None:
+            self.flush()
+        self._transport.write(data)
+
     def close(self) -> None:
         self.flush()
         self._transport.close()

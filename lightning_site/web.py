@@ -66,6 +66,11 @@ def main(argv: list[str] | None = None) -> None:
             pass
         else:
             http = OneWriteProtocol
+            if os.environ.get("WEB_LEAN_PROTOCOL", "1") == "1":
+                # The lean routes answered in the protocol, below the ASGI cycle.
+                from lightning_site.leanwire import LeanProtocol
+
+                http = LeanProtocol
     uvicorn.run("lightning_site.asgi:application", host=args.host.strip("[]"), port=args.port,
                 workers=args.workers, log_level="warning", access_log=False,
                 timeout_keep_alive=5, timeout_graceful_shutdown=10, http=http)

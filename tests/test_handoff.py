@@ -11,8 +11,9 @@ import pytest
 from lightning_site.handoff import Pool
 
 
-def test_a_call_runs_on_a_pool_thread_and_its_result_or_error_comes_back():
-    pool = Pool(2, name="t")
+@pytest.mark.parametrize("lifo", [False, True])
+def test_a_call_runs_on_a_pool_thread_and_its_result_or_error_comes_back(lifo):
+    pool = Pool(2, name="t", lifo=lifo)
 
     def where(x):
         return x * 2, threading.current_thread().name
@@ -34,8 +35,9 @@ def test_a_call_runs_on_a_pool_thread_and_its_result_or_error_comes_back():
         pool.shutdown()
 
 
-def test_a_call_whose_request_went_away_before_it_ran_is_dropped():
-    pool = Pool(1, name="t")
+@pytest.mark.parametrize("lifo", [False, True])
+def test_a_call_whose_request_went_away_before_it_ran_is_dropped(lifo):
+    pool = Pool(1, name="t", lifo=lifo)
     gate, ran = threading.Event(), []
 
     async def main():
@@ -51,3 +53,52 @@ def test_a_call_whose_request_went_away_before_it_ran_is_dropped():
     finally:
         pool.shutdown()
     assert ran == []
+
+
+@pytest.mark.parametrize("lifo", [False, True])
+def test_submit_calls_back_on_the_loop_thread(lifo):
+    pool = Pool(2, name="t", lifo=lifo)
+
+    def boom():
+        raise ValueError("no")
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        got = []
+        done = asyncio.Event()
+
+        def back(result, exc):
+            got.append((result, type(exc), threading.current_thread() is threading.main_thread()))
+            if len(got) == 2:
+                done.set()
+
+        pool.submit(lambda x: x + 1, (41,), back)
+        pool.submit(boom, (), back)
+        await asyncio.wait_for(done.wait(), 10)
+        assert sorted(got, key=str) == sorted([(42, type(None), True), (None, ValueError, True)],
+                                              key=str)
+        assert loop.is_running()
+
+    try:
+        asyncio.run(main())
+    finally:
+        pool.shutdown()
+
+
+def test_lifo_hands_a_call_to_the_thread_idle_last():
+    pool = Pool(4, name="t", lifo=True)
+
+    async def main():
+        await asyncio.sleep(0.2)  # every thread idle
+        names = {await pool.run(lambda: threading.current_thread().name) for _ in range(40)}
+        assert len(names) == 1  # one after another: always the same, warm, thread
+        gate = threading.Event()
+        held = [pool.run(gate.wait) for _ in range(6)]  # 4 threads, 2 calls wait in order
+        await asyncio.sleep(0.1)
+        gate.set()
+        await asyncio.gather(*held)
+
+    try:
+        asyncio.run(main())
+    finally:
+        pool.shutdown()
