@@ -52,6 +52,24 @@ from uvicorn.protocols.http.httptools_impl import (
 
 from lightning_site.onewrite import OneWriteProtocol
 
+# The uvicorn releases this module was written and tested against (it takes part in
+# HttpToolsProtocol's parsing and stands in for its RequestResponseCycle). pyproject.toml lets
+# pip install a newer one; then the server uses OneWriteProtocol, uvicorn's own cycle.
+TESTED_UVICORN = ("0.55.",)
+
+
+def supported() -> str | None:
+    """None when this uvicorn is one LeanProtocol was tested against; else why not."""
+    import uvicorn
+
+    version = uvicorn.__version__
+    if not version.startswith(TESTED_UVICORN):
+        return (f"uvicorn {version} is not one the lean protocol was tested against "
+                f"({', '.join(v + 'x' for v in TESTED_UVICORN)})")
+    if not hasattr(HttpToolsProtocol, "_start_asgi_task"):
+        return f"uvicorn {version}'s HttpToolsProtocol has no _start_asgi_task"
+    return None
+
 _CLOSE = (b"connection", b"close")
 # uvicorn's own answer to an application that failed (RequestResponseCycle.send_500_response)
 _FAILED = (500, [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", b"21"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -68,9 +69,13 @@ def main(argv: list[str] | None = None) -> None:
             http = OneWriteProtocol
             if os.environ.get("WEB_LEAN_PROTOCOL", "1") == "1":
                 # The lean routes answered in the protocol, below the ASGI cycle.
-                from lightning_site.leanwire import LeanProtocol
+                from lightning_site import leanwire
 
-                http = LeanProtocol
+                unsupported = leanwire.supported()
+                if unsupported is None:
+                    http = leanwire.LeanProtocol
+                else:
+                    print(f"WEB_LEAN_PROTOCOL: off, {unsupported}", file=sys.stderr)
     uvicorn.run("lightning_site.asgi:application", host=args.host.strip("[]"), port=args.port,
                 workers=args.workers, log_level="warning", access_log=False,
                 timeout_keep_alive=5, timeout_graceful_shutdown=10, http=http)

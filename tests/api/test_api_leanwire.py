@@ -334,3 +334,25 @@ def test_the_server_runs_the_lean_protocol_by_default(monkeypatch, one_write, le
     monkeypatch.setenv("WEB_LEAN_PROTOCOL", lean)
     web.main([])
     assert getattr(seen["http"], "__name__", seen["http"]) == expected
+
+
+def test_an_untested_uvicorn_gets_uvicorns_own_cycle(monkeypatch, capsys):
+    """leanwire stands in for parts of uvicorn's HttpToolsProtocol; pyproject.toml lets pip
+    install a newer uvicorn, whose internals may differ: the server then runs the one-write
+    protocol (uvicorn's own cycle) and says why."""
+    import uvicorn
+
+    from lightning_site import leanwire, web
+
+    assert leanwire.supported() is None  # the uvicorn installed here is one it was tested on
+    seen = {}
+    monkeypatch.setattr("uvicorn.run", lambda app, **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(uvicorn, "__version__", "0.99.0")
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "")
+    monkeypatch.setenv("WEB_THREADS", "8")
+    monkeypatch.setenv("WEB_ONE_WRITE", "1")
+    monkeypatch.setenv("WEB_LEAN_PROTOCOL", "1")
+    web.main([])
+    assert seen["http"].__name__ == "OneWriteProtocol"
+    assert "WEB_LEAN_PROTOCOL: off, uvicorn 0.99.0 is not one the lean protocol was tested " \
+           "against (0.55.x)" in capsys.readouterr().err
