@@ -65,14 +65,17 @@ def test_calls_decode_in_another_process_and_are_recorded(process_gateway, keyed
             choice.logprobs.content)
         assert [e.logprob for e in choice.logprobs.content] == a[c.LLM_LOGPROBS]
         assert a[c.LLM_LOGPROBS_OF] == "sampled:float32"
-    # streamed: token by token from the engine process, the text the one recorded
+    # streamed: token by token from the engine process (a chunk each, with its id), the
+    # tokens and the text the ones recorded
     stream = client(base, key, rid, aid).chat.completions.create(
         model="tiny", messages=MESSAGES, max_tokens=6, stream=True, seed=1,
-        extra_body={"ignore_eos": True})
-    deltas = [ch.choices[0].delta.content for ch in stream if ch.choices]
-    assert len([d for d in deltas if d]) >= 2  # more than one chunk of text
-    assert engine.decode(llm_spans(rid)[-1].attributes[c.LLM_RESPONSE_IDS]) == "".join(
-        d or "" for d in deltas)
+        extra_body={"ignore_eos": True, "return_token_ids": True})
+    chunks = [ch.choices[0] for ch in stream if ch.choices]
+    streamed = [i for ch in chunks for i in (ch.model_extra or {}).get("token_ids") or []]
+    recorded = llm_spans(rid)[-1].attributes[c.LLM_RESPONSE_IDS]
+    assert len([ch for ch in chunks if (ch.model_extra or {}).get("token_ids")]) == 6
+    assert streamed == recorded
+    assert engine.decode(recorded) == "".join(ch.delta.content or "" for ch in chunks)
     # idempotent retry: one span, the same answer
     again = [client(base, key, rid, aid).chat.completions.create(
         model="tiny", messages=MESSAGES, max_tokens=3, seed=5,
