@@ -24,7 +24,7 @@ from examples.llm_cipher.task import make_dataset
 THRESHOLD = 0.8
 
 
-def job_spec(*, seed: int = 0, steps: int = 25) -> dict[str, Any]:
+def job_spec(*, seed: int = 0, steps: int = 30) -> dict[str, Any]:
     return {
         "name": "llm-cipher",
         "agent": "examples.llm_cipher.agent.recall_agent",
