@@ -81,9 +81,9 @@ def long_tail_llm_agent(task, llm) -> float:
 # --example: (the job spec's module, the long-tailed agent, default steps, validation every)
 EXAMPLES = {
     "cipher": ("examples.cipher", "bench.async_bench.long_tail_agent", 12, 4),
-    # 40: at 20 and 28 steps the example has not converged in either mode (the synchronous run
-    # sits at 0.8 from version 25 to 37), and the final rewards compared were a trajectory's
-    # luck, 0.2-0.4 apart between runs (README "Benchmarks")
+    # 40: the synchronous run reaches 1.0 at version 29 and keeps it, so the async run's final
+    # reward is compared with a converged one, not with where a trajectory happens to be
+    # (README "Benchmarks")
     "llm": ("examples.llm_cipher", "bench.async_bench.long_tail_llm_agent", 40, 4),
 }
 
