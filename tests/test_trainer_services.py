@@ -562,3 +562,16 @@ def test_an_evaluation_only_step_whose_rollouts_all_failed_fails_its_job(monkeyp
     assert job.status == JobStatus.FAILED
     assert "4 of 4 validation rollouts failed" in job.error
     assert "could not read its checkpoint" in job.error
+
+
+def test_grpo_lm_refuses_an_unknown_loss_tokens_rule():
+    from examples.llm_cipher import job_spec as llm_spec
+
+    spec = llm_spec(seed=0, steps=1)
+    with pytest.raises(InvalidInput) as raised:
+        services.job_create(
+            project=store_services.project_create(name="loss-tokens"), agent=spec["agent"],
+            algorithm="grpo_lm", config={**spec["config"], "loss_tokens": "some"},
+            train_dataset=spec["train_dataset"])
+    assert raised.value.field == "config.loss_tokens"
+    assert raised.value.message == "must be one of signal, all, got 'some'"

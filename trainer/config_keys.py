@@ -84,7 +84,8 @@ GROUP_RULES: Mapping[str, Rule] = {
         int, 2, why=" (a group's rewards are compared with each other: with one rollout "
                     "every advantage is 0 and nothing is learned)"),
     "tasks_per_step": COUNT, "epochs": COUNT, "val_every": COUNT,
-    "clip": Rule(float, 0, above=True), "entropy_coef": Rule(float, 0),
+    "clip": Rule(float, 0, above=True), "clip_high": Rule(float, 0, above=True),
+    "entropy_coef": Rule(float, 0),
     "importance_cap": Rule(float, 1), "kl_coef": Rule(float, 0), "micro_batch": COUNT,
     "max_grad_norm": Rule(float, 0, above=True),
 }

@@ -36,6 +36,12 @@ def job_spec(*, seed: int = 0, steps: int = 30) -> dict[str, Any]:
             "model_name": "llm-cipher",
             "lr": 1e-3,
             "epochs": 4,
+            # Solved digits' groups count in the loss's mean, and every sample's tokens get
+            # the entropy bonus: without them a few groups' updates late in a run unlearned
+            # solved digits, and asynchronous runs lost the ones that share a letter
+            # (README "Benchmarks", issue 20)
+            "loss_tokens": "all",
+            "entropy_coef": 0.01,
             "group_size": 16,
             "tasks_per_step": 10,
             "val_every": 1,

@@ -4,6 +4,7 @@ random LM, no store needed); the ranks' shards have different numbers of micro-b
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -49,20 +50,25 @@ def weights(directory: str) -> dict[str, torch.Tensor]:
     return load_file(file if file.exists() else path / "model.safetensors")
 
 
-@pytest.mark.parametrize(("lora", "shared"), [(None, 0), ({"r": 4, "alpha": 8}, 0),
-                                              (None, 20)],
-                         ids=["full", "lora", "full-shared-prefix"])
-def test_grpo_lm_world_size_2_update_equals_world_size_1(tiny, lora, shared):
+@pytest.mark.parametrize(("lora", "shared", "extra"), [
+    (None, 0, {}), ({"r": 4, "alpha": 8}, 0, {}), (None, 20, {}),
+    # every sample's tokens in the loss's mean and the entropy bonus, a solved group among them
+    (None, 0, {"loss_tokens": "all", "entropy_coef": 0.05}),
+], ids=["full", "lora", "full-shared-prefix", "full-entropy-all-tokens"])
+def test_grpo_lm_world_size_2_update_equals_world_size_1(tiny, lora, shared, extra):
     # grpo_lm's default lr. Adam divides each gradient by its running size, so on weights
     # whose gradient is ~0 in exact arithmetic (GPT-2's key bias) summation-order noise
     # becomes an lr-sized step: at lr 1e-2 even one process with another micro_batch differs
     # by 1.3e-5 (printed below at this lr as the floor).
     config = {"model": str(tiny), "lr": 1e-3, "epochs": 2, "micro_batch": 3, "seed": 0,
-              **({"lora": lora} if lora else {})}
+              **({"lora": lora} if lora else {}), **extra}
     algorithm = GRPOLM(config)
     state = algorithm.init_state()
     # 7 trained samples: shards of 3 and 4, 1 and 2 micro-batches
     samples = token_samples(shared=shared)
+    if extra:  # a group whose rewards are all equal: in the batch for the entropy only
+        samples += [dataclasses.replace(s, rollout_id=f"s{i}", group="solved", reward=1.0)
+                    for i, s in enumerate(samples[:4])]
     one = algorithm.update(step=0, state=state, samples=samples, device="cpu")
     two, device = distributed.update(algorithm, step=0, state=state, samples=samples,
                                      world_size=2)
@@ -85,9 +91,13 @@ def test_grpo_lm_world_size_2_update_equals_world_size_1(tiny, lora, shared):
         assert difference < 1e-5
         assert moved > 1e-3  # it did train
         assert two.metrics["trained_samples"] == one.metrics["trained_samples"] == 7
-        assert two.metrics["recomputed_samples"] == one.metrics["recomputed_samples"] == 7
+        assert two.metrics["recomputed_samples"] == one.metrics["recomputed_samples"] == len(
+            samples if extra else samples[:7])
         assert two.metrics["loss"] == pytest.approx(one.metrics["loss"], abs=1e-5)
         assert two.metrics["mean_ratio"] == pytest.approx(one.metrics["mean_ratio"], abs=1e-5)
+        if extra:
+            assert two.metrics["entropy"] == pytest.approx(one.metrics["entropy"], rel=1e-5)
+            assert two.metrics["grad_norm"] == pytest.approx(one.metrics["grad_norm"], rel=1e-4)
     finally:
         for update in (one, two, floor):
             shutil.rmtree(update.state["dir"], ignore_errors=True)

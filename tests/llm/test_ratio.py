@@ -255,3 +255,112 @@ def test_a_synchronous_update_does_not_depend_on_the_engines_rounding(tiny):
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
     assert gaps[0] < 1e-5 and gaps[1] == pytest.approx(gaps[0] + 1e-6, abs=1e-5)
+
+
+def test_the_entropy_is_that_of_the_distribution_each_token_was_sampled_from(tiny):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    samples = samples_of(generated(Engine(tiny, device="cpu")))
+    batch = grpo_lm._tensors(samples, {}, "cpu")
+    with torch.no_grad():
+        taken, entropy = grpo_lm._token_logprobs(model, batch, entropy=True)
+        logits = model(input_ids=batch["ids"], attention_mask=batch["attention"]).logits
+    assert torch.equal(taken, grpo_lm._token_logprobs(model, batch))
+    for row, (t, p) in enumerate(batch["sampling"]):
+        logp = sampling.logprobs(logits[row, -2], t, p)  # the last position's distribution
+        kept = logp.isfinite()
+        expected = float(-(logp[kept].exp() * logp[kept]).sum())
+        assert float(entropy[row, -1]) == pytest.approx(expected, abs=1e-5)
+        assert (expected == 0.0) == (t == 0.0)  # greedy: one token, no spread
+    assert torch.isfinite(entropy).all() and (entropy[:, 0] == 0).all()
+
+
+def _update(tiny, samples, **config):
+    from safetensors.torch import load_file
+
+    from trainer.algorithms import algorithm_load
+
+    algorithm = algorithm_load("grpo_lm", {"model": str(tiny), "seed": 3, "lr": 1e-2,
+                                           **config})
+    update = algorithm.update(step=0, state={"dir": str(tiny)}, samples=samples, device="cpu")
+    return update, load_file(f"{update.state['dir']}/model.safetensors")
+
+
+def _mean_entropy(tiny, weights, samples):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    if weights is not None:
+        model.load_state_dict(weights, strict=False)
+    batch = grpo_lm._tensors(samples, {}, "cpu")
+    with torch.no_grad():
+        _, entropy = grpo_lm._token_logprobs(model, batch, entropy=True)
+    return float((entropy * batch["mask"]).sum() / batch["mask"].sum())
+
+
+def test_the_entropy_bonus_reaches_the_groups_whose_rewards_are_all_equal(tiny):
+    """A group without a spread of rewards has no advantage: without the bonus a step leaves
+    the weights as they were; with it, the sampled distributions widen."""
+    samples = samples_of(generated(Engine(tiny, device="cpu")))[1:]  # the tempered ones
+    for s in samples:
+        s.reward = 0.0  # every one wrong: a collapsed policy's group
+    plain, weights = _update(tiny, samples)
+    assert plain.metrics["trained_samples"] == 0 and "entropy" not in plain.metrics
+    from safetensors.torch import load_file
+
+    before = load_file(f"{tiny}/model.safetensors")
+    assert all(torch.equal(weights[k], before[k]) for k in before)
+    bonus, widened = _update(tiny, samples, entropy_coef=0.5, epochs=4)
+    assert bonus.metrics["trained_samples"] == 0  # no sample carried an advantage
+    assert bonus.metrics["entropy"] > 0
+    assert _mean_entropy(tiny, widened, samples) > _mean_entropy(tiny, None, samples) + 1e-3
+
+
+def test_clip_high_lets_a_rewarded_token_rise_further_than_the_symmetric_clip(tiny):
+    """DAPO's clip-higher: the ratio's upper bound is 1 + clip_high; its lower stays 1 - clip."""
+    samples = samples_of(generated(Engine(tiny, device="cpu")))[1:]
+    rewarded = next(s for s in samples if s.reward == 1.0)
+
+    def likelihood(weights):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+        model.load_state_dict(weights, strict=False)
+        batch = grpo_lm._tensors([rewarded], {}, "cpu")
+        with torch.no_grad():
+            logp = grpo_lm._token_logprobs(model, batch)
+        return float((logp * batch["mask"]).sum())
+
+    symmetric, low = _update(tiny, samples, epochs=8, clip=0.1)
+    higher, high = _update(tiny, samples, epochs=8, clip=0.1, clip_high=0.5)
+    assert likelihood(high) > likelihood(low)
+    assert symmetric.metrics["clip_fraction"] > 0  # the symmetric bound did bind
+
+
+def test_loss_tokens_all_counts_the_solved_groups_in_the_mean(tiny):
+    """`loss_tokens: all`: the policy loss is the mean over every sample's generated tokens, so
+    a group whose rewards are all equal adds nothing to the sum but counts in the mean, and a
+    step with few groups left to learn gets a gradient that much smaller (against Adam's
+    memory of the earlier, larger ones); `signal`, the default, leaves those groups out."""
+    import dataclasses
+
+    engine = Engine(tiny, device="cpu")
+    tok = engine.tokenizer
+    seqs = [Sequence_(tok(f"abc {i}")["input_ids"], Params(max_tokens=8, temperature=1.0,
+                                                           seed=i, ignore_eos=True))
+            for i in range(4)]
+    engine.generate(seqs)
+    signal = samples_of(seqs)  # one group, rewards 0, 1, 0, 1
+    solved = [dataclasses.replace(s, rollout_id=f"z{i}", group=f"z{i // 4}", reward=1.0)
+              for i, s in enumerate(signal * 6)]  # six groups that all got it right
+    norms = {}
+    for loss_tokens in ("signal", "all"):
+        for name, samples in (("alone", signal), ("diluted", signal + solved)):
+            update, _ = _update(tiny, samples, epochs=1, max_grad_norm=1e9,
+                                loss_tokens=loss_tokens)
+            assert update.metrics["trained_samples"] == 4
+            norms[loss_tokens, name] = update.metrics["grad_norm"]
+    assert norms["signal", "diluted"] == pytest.approx(norms["signal", "alone"], rel=1e-5)
+    assert norms["all", "alone"] == pytest.approx(norms["signal", "alone"], rel=1e-5)
+    assert norms["all", "diluted"] == pytest.approx(norms["all", "alone"] * 4 / 28, rel=1e-5)

@@ -39,8 +39,9 @@ import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+from store.errors import InvalidInput
 from trainer import checkpoints, distributed
 from trainer.algorithms.adapter import FinishedRollout
 from trainer.algorithms.base import Algorithm, PlannedRollout, Update, step_seed
@@ -58,6 +59,17 @@ DEFAULTS: dict[str, Any] = {
     "tasks_per_step": 8,
     "epochs": 2,
     "clip": 0.2,
+    # the ratio's upper bound is 1 + clip_high (default: clip); above clip, a token the policy
+    # rarely samples can gain more per step when it was right (DAPO's clip-higher)
+    "clip_high": None,
+    # a bonus on the sampled distribution's entropy at each generated token, over every
+    # sample of the step, those of groups whose rewards are all equal included
+    "entropy_coef": 0.0,
+    # the policy loss is the mean over the generated tokens of the groups whose rewards
+    # differ ("signal"), or of every sample ("all": a solved group adds nothing to the sum
+    # but counts in the mean, so a step with few groups left to learn moves the weights less;
+    # TRL's and verl's token mean)
+    "loss_tokens": "signal",
     "kl_coef": 0.0,
     "micro_batch": 64,
     "max_grad_norm": 1.0,
@@ -68,11 +80,21 @@ DEFAULTS: dict[str, Any] = {
     # What agents are asked to use (the `llm` resource's sampling_parameters).
     "sampling_parameters": {"temperature": 1.0, "max_tokens": 16},
 }
+LOSS_TOKENS = ("signal", "all")
 OPTIMIZER_FILE = "optimizer.pt"
 # Recorded logprobs used as they are: the engine's, of the sampled distribution, in float32.
 RECORDED_EXACT = f"{sampling.SAMPLED}:float32"
 # A common prefix at least this long is computed once per micro-batch (_logits).
 SHARED_MIN = 16
+
+
+class _Totals(NamedTuple):
+    """A step's generated tokens: the policy loss's denominator, those of the groups with a
+    signal, those of every sample."""
+
+    loss: float
+    signal: float
+    every: float
 
 
 class GRPOLM(Algorithm):
@@ -91,6 +113,9 @@ class GRPOLM(Algorithm):
             raise ValueError("grpo_lm needs config['model']: a checkpoint directory in Hugging "
                              "Face format, a model id in the local Hugging Face cache, a GGUF "
                              "file or an installed name such as smollm2")
+        if self.config["loss_tokens"] not in LOSS_TOKENS:
+            raise InvalidInput("config.loss_tokens", f"must be one of {', '.join(LOSS_TOKENS)}, "
+                               f"got {self.config['loss_tokens']!r}")
         self.token_adapter = TokenAdapter(aggregation=self.config.get("aggregation",
                                                                       "transition"))
         self.lora = (lora_.settings(self.config["lora"])
@@ -186,8 +211,9 @@ class GRPOLM(Algorithm):
             reference = model  # the base: the same model with its adapter disabled
         advantages = group_advantages(samples)
         trained = [s for s in samples if s.rollout_id in advantages]
+        signal_tokens = float(sum(s.generated for s in trained))
         metrics: dict[str, Any] = {"samples": len(samples), "trained_samples": len(trained),
-                                   "trained_tokens": sum(s.generated for s in trained)}
+                                   "trained_tokens": int(signal_tokens)}
         stale = [s for s in samples if s.version is not None and s.version != step]
         if stale:
             metrics["off_policy_samples"] = len(stale)
@@ -196,6 +222,10 @@ class GRPOLM(Algorithm):
                    if m and v is not None]
         if made_by:
             metrics["stale_token_fraction"] = sum(1 for v in made_by if v != step) / len(made_by)
+        if float(self.config["entropy_coef"]) > 0:
+            # A group whose rewards are all equal has no advantage, but its tokens' entropy
+            # is where a policy that stopped sampling the right answer needs the bonus.
+            trained = list(samples)
         size = int(self.config["micro_batch"])
         rank, world_size = distributed.world()
         start, stop = distributed.shard_bounds(len(trained), rank, world_size)
@@ -221,12 +251,16 @@ class GRPOLM(Algorithm):
                                               float(self.config["importance_cap"])))
         elif batches:
             metrics.update(on_policy_old(model, batches))
-        # The loss is the mean over the global batch's generated tokens, at any world size.
-        total_tokens = float(sum(s.generated for s in trained))
+        # The loss is the mean over the global batch's generated tokens (of the groups with
+        # a signal; the entropy bonus: of every sample), at any world size.
+        every_tokens = float(sum(s.generated for s in samples))
+        totals = _Totals(loss=max(every_tokens if self.config["loss_tokens"] == "all"
+                                  else signal_tokens, 1.0),
+                         signal=max(signal_tokens, 1.0), every=max(every_tokens, 1.0))
         trainer = distributed.wrap(model)  # DDP in a process group; else the model itself
         for _ in range(int(self.config["epochs"]) if trained else 0):
             metrics.update(self._epoch(trainer, model, reference, optimizer, params, batches,
-                                       total_tokens))
+                                       totals))
         if rank != 0:  # rank 0's update is the step's (distributed.update); write nothing
             return Update(state=None, metrics=metrics)
         out = Path(tempfile.mkdtemp(prefix="grpo_lm-"))
@@ -240,45 +274,55 @@ class GRPOLM(Algorithm):
 
     def _epoch(self, trainer: Any, model: Any, reference: Any, optimizer: Any,
                params: list[Any], batches: list[dict[str, Any]],
-               total_tokens: float) -> dict[str, float]:
+               totals: _Totals) -> dict[str, float]:
         """One optimizer step over `batches` (this rank's); `trainer` is `model` under DDP
         in a process group (gradients all-reduced on the last backward), else `model`."""
         import contextlib
 
         import torch
 
-        clip, kl_coef = float(self.config["clip"]), float(self.config["kl_coef"])
+        clip = float(self.config["clip"])
+        bounds = (1 - clip, 1 + float(_or(self.config["clip_high"], clip)))
         _, world_size = distributed.world()
         optimizer.zero_grad()
-        sums = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "ratio": 0.0}
+        sums = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "ratio": 0.0, "entropy": 0.0}
         for index, batch in enumerate(batches):
             last = index == len(batches) - 1
             sync = (trainer.no_sync() if trainer is not model and not last
                     else contextlib.nullcontext())
             with sync:
-                self._micro_batch(trainer, model, reference, params, batch, total_tokens,
-                                  world_size, clip, kl_coef, sums)
-        torch.nn.utils.clip_grad_norm_(params, float(self.config["max_grad_norm"]))
+                self._micro_batch(trainer, model, reference, params, batch, totals,
+                                  world_size, bounds, sums)
+        # the norm before clipping (of the global batch's gradient: DDP has all-reduced it)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params,
+                                                         float(self.config["max_grad_norm"])))
         optimizer.step()
-        loss, clipped, ratio, kl = distributed.all_sum(
-            [sums["loss"], sums["clip_fraction"], sums["ratio"], sums["kl"]],
+        loss, clipped, ratio, kl, entropy = distributed.all_sum(
+            [sums["loss"], sums["clip_fraction"], sums["ratio"], sums["kl"], sums["entropy"]],
             params[0].device)
-        return {"loss": loss, "clip_fraction": clipped / total_tokens,
-                "mean_ratio": ratio / total_tokens,
-                **({"kl": kl / total_tokens} if reference is not None else {})}
+        return {"loss": loss, "grad_norm": grad_norm, "clip_fraction": clipped / totals.signal,
+                "mean_ratio": ratio / totals.signal,
+                **({"kl": kl / totals.signal} if reference is not None else {}),
+                **({"entropy": entropy / totals.every}
+                   if float(self.config["entropy_coef"]) > 0 else {})}
 
     def _micro_batch(self, trainer: Any, model: Any, reference: Any, params: list[Any],
-                     batch: dict[str, Any], total_tokens: float, world_size: int, clip: float,
-                     kl_coef: float, sums: dict[str, float]) -> None:
+                     batch: dict[str, Any], totals: _Totals, world_size: int,
+                     bounds: tuple[float, float], sums: dict[str, float]) -> None:
         import contextlib
 
         import torch
 
-        new = _token_logprobs(trainer, batch)
+        kl_coef = float(self.config["kl_coef"])
+        entropy_coef = float(self.config["entropy_coef"])
+        new, entropy = (_token_logprobs(trainer, batch, entropy=True) if entropy_coef > 0
+                        else (_token_logprobs(trainer, batch), None))
         mask = batch["mask"]
+        # A row of a group without a signal is here for the entropy bonus only.
+        signal = mask * batch["signal"].unsqueeze(1)
         ratio = torch.exp(new - batch["old"])
         adv = batch["advantage"].unsqueeze(1)
-        surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - clip, 1 + clip) * adv)
+        surrogate = torch.min(ratio * adv, torch.clamp(ratio, *bounds) * adv)
         if "weights" in batch:  # an asynchronous job's tokens (off_policy_correct)
             surrogate = surrogate * batch["weights"]
         per_token = -surrogate
@@ -290,8 +334,11 @@ class GRPOLM(Algorithm):
             # k3 estimator of KL(pi || pi_ref): non-negative, unbiased.
             kl = torch.exp(ref - new) - (ref - new) - 1
             per_token = per_token + kl_coef * kl
-            sums["kl"] += float((kl * mask).sum().detach())
-        loss = (per_token * mask).sum() / total_tokens
+            sums["kl"] += float((kl * signal).sum().detach())
+        loss = (per_token * signal).sum() / totals.loss
+        if entropy is not None:
+            loss = loss - entropy_coef * (entropy * mask).sum() / totals.every
+            sums["entropy"] += float((entropy * mask).sum().detach())
         if trainer is not model:
             # DDP averages gradients over the ranks: scaled by world_size, the sum is the
             # global batch's. Every rank must run its backward (the all-reduce waits for
@@ -304,14 +351,16 @@ class GRPOLM(Algorithm):
         elif loss.requires_grad:  # greedy samples alone carry no gradient (sampling.py)
             loss.backward()
         sums["loss"] += float(loss.detach())
-        sums["clip_fraction"] += float((((ratio - 1).abs() > clip).float() * mask).sum())
-        sums["ratio"] += float((ratio.detach() * mask).sum())
+        outside = (ratio < bounds[0]) | (ratio > bounds[1])
+        sums["clip_fraction"] += float((outside.float() * signal).sum())
+        sums["ratio"] += float((ratio.detach() * signal).sum())
 
 
 def _tensors(samples: list[TokenSample], advantages: dict[str, float],
              device: str) -> dict[str, Any]:
-    """Right-padded ids, attention and loss masks, recorded logprobs, advantages, and each
-    row's sampling settings (which rows' logprobs to recompute: `recompute`)."""
+    """Right-padded ids, attention and loss masks, recorded logprobs, advantages (0 for a
+    sample `advantages` leaves out), and each row's sampling settings (which rows' logprobs
+    to recompute: `recompute`)."""
     import torch
 
     width = max(len(s.input_ids) for s in samples)
@@ -327,7 +376,11 @@ def _tensors(samples: list[TokenSample], advantages: dict[str, float],
         "mask": torch.tensor(pad([s.mask for s in samples], 0), dtype=torch.float32,
                              device=device),
         "old": torch.tensor(pad([s.old_logprobs for s in samples], 0.0), device=device),
-        "advantage": torch.tensor([advantages[s.rollout_id] for s in samples], device=device),
+        "advantage": torch.tensor([advantages.get(s.rollout_id, 0.0) for s in samples],
+                                  device=device),
+        # 0: a row of a group whose rewards are all equal (the entropy bonus's only)
+        "signal": torch.tensor([float(s.rollout_id in advantages) for s in samples],
+                               device=device),
         "sampling": [(s.temperature, s.top_p) for s in samples],
         "recompute": [s.logprobs_of != RECORDED_EXACT for s in samples],
     }
@@ -443,12 +496,24 @@ def _forward_params(model: Any) -> Any:
     return inspect.signature(inner.forward).parameters
 
 
-def _token_logprobs(model: Any, batch: dict[str, Any]) -> Any:
-    """log pi(token_t | tokens_<t) at every position (0 at the first, which has no context)."""
+def _token_logprobs(model: Any, batch: dict[str, Any], *, entropy: bool = False) -> Any:
+    """log pi(token_t | tokens_<t) at every position (0 at the first, which has no context);
+    with `entropy`, the pair (those, the entropy of the distribution token_t was sampled
+    from, 0 at the first)."""
     import torch
 
     logits = _logits(model, batch)
     logp = torch.stack([sampling.logprobs(logits[i, :-1], temperature, top_p)
                         for i, (temperature, top_p) in enumerate(batch["sampling"])])
     taken = logp.gather(2, batch["ids"][:, 1:].unsqueeze(2)).squeeze(2).clamp(min=-1e9)
-    return torch.cat([torch.zeros_like(taken[:, :1]), taken], dim=1)
+    taken = torch.cat([torch.zeros_like(taken[:, :1]), taken], dim=1)
+    if not entropy:
+        return taken
+    # tokens outside the nucleus (log 0) add nothing (and no NaN to the gradient, as
+    # torch.where's other branch would); a greedy row's entropy is 0
+    spread = -(logp.exp() * logp.masked_fill(~logp.isfinite(), 0.0)).sum(-1)
+    return taken, torch.cat([torch.zeros_like(spread[:, :1]), spread], dim=1)
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
