@@ -4,10 +4,12 @@ Each step runs `group_size` rollouts of `tasks_per_step` tasks against the curre
 (served by the gateway); every LLM call of a rollout becomes a sample (token_adapter.py) with
 its rollout's reward. Advantages are group-relative (reward minus the group's mean, divided by
 its spread; groups with one reward carry no signal). The loss is PPO's clipped objective per
-generated token against the log-probabilities recorded at generation time, averaged over
-tokens, plus `kl_coef` times a KL estimate to the initial model when set; micro-batches of
-`micro_batch` samples accumulate gradients into one optimizer step per epoch. On CUDA when the
-training worker has it.
+generated token (ratio in [1 - clip, 1 + clip_high]) against the log-probabilities recorded at
+generation time, averaged over the tokens of the groups with a signal (`loss_tokens: signal`)
+or of every sample (`all`), minus `entropy_coef` times the sampled distribution's entropy
+over every sample's tokens, plus `kl_coef` times a KL estimate to the initial model when set;
+micro-batches of `micro_batch` samples accumulate gradients into one optimizer step per epoch.
+On CUDA when the training worker has it.
 
 `model` is anything trainer/llm/models.py resolves: a Hugging Face directory, a known name
 (`smollm2`), a GGUF file, a model id in the local Hugging Face cache. With `lora: {r, alpha,
