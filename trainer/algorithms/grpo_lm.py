@@ -283,8 +283,8 @@ class GRPOLM(Algorithm):
 
         import torch
 
-        clip = float(self.config["clip"])
-        bounds = (1 - clip, 1 + float(_or(self.config["clip_high"], clip)))
+        clip, high = float(self.config["clip"]), self.config["clip_high"]
+        bounds = (1 - clip, 1 + (clip if high is None else float(high)))
         _, world_size = distributed.world()
         optimizer.zero_grad()
         sums = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "ratio": 0.0, "entropy": 0.0}
@@ -515,7 +515,3 @@ def _token_logprobs(model: Any, batch: dict[str, Any], *, entropy: bool = False)
     # torch.where's other branch would); a greedy row's entropy is 0
     spread = -(logp.exp() * logp.masked_fill(~logp.isfinite(), 0.0)).sum(-1)
     return taken, torch.cat([torch.zeros_like(spread[:, :1]), spread], dim=1)
-
-
-def _or(value: Any, default: Any) -> Any:
-    return default if value is None else value
