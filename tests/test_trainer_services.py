@@ -564,14 +564,17 @@ def test_an_evaluation_only_step_whose_rollouts_all_failed_fails_its_job(monkeyp
     assert "could not read its checkpoint" in job.error
 
 
-def test_grpo_lm_refuses_an_unknown_loss_tokens_rule():
+@pytest.mark.parametrize(("config", "field", "message"), [
+    ({"loss_tokens": "some"}, "config.loss_tokens", "must be one of signal, all, got 'some'"),
+    ({"target_kl": 0}, "config.target_kl", "must be > 0, got 0"),
+])
+def test_grpo_lm_refuses_its_own_settings_that_cannot_work(config, field, message):
     from examples.llm_cipher import job_spec as llm_spec
 
     spec = llm_spec(seed=0, steps=1)
     with pytest.raises(InvalidInput) as raised:
         services.job_create(
-            project=store_services.project_create(name="loss-tokens"), agent=spec["agent"],
-            algorithm="grpo_lm", config={**spec["config"], "loss_tokens": "some"},
+            project=store_services.project_create(name="grpo-lm-settings"),
+            agent=spec["agent"], algorithm="grpo_lm", config={**spec["config"], **config},
             train_dataset=spec["train_dataset"])
-    assert raised.value.field == "config.loss_tokens"
-    assert raised.value.message == "must be one of signal, all, got 'some'"
+    assert (raised.value.field, raised.value.message) == (field, message)

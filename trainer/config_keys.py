@@ -87,7 +87,7 @@ GROUP_RULES: Mapping[str, Rule] = {
     "clip": Rule(float, 0, above=True), "clip_high": Rule(float, 0, above=True),
     "entropy_coef": Rule(float, 0),
     "importance_cap": Rule(float, 1), "kl_coef": Rule(float, 0), "micro_batch": COUNT,
-    "max_grad_norm": Rule(float, 0, above=True),
+    "max_grad_norm": Rule(float, 0, above=True), "target_kl": Rule(float, 0, above=True),
 }
 
 

@@ -95,6 +95,9 @@ def test_grpo_lm_world_size_2_update_equals_world_size_1(tiny, lora, shared, ext
             samples if extra else samples[:7])
         assert two.metrics["loss"] == pytest.approx(one.metrics["loss"], abs=1e-5)
         assert two.metrics["mean_ratio"] == pytest.approx(one.metrics["mean_ratio"], abs=1e-5)
+        # target_kl's figure: every rank decides on the global batch's
+        assert two.metrics["approx_kl"] == pytest.approx(one.metrics["approx_kl"], rel=1e-3)
+        assert two.metrics["epochs_done"] == one.metrics["epochs_done"] == 2
         if extra:
             assert two.metrics["entropy"] == pytest.approx(one.metrics["entropy"], rel=1e-5)
             assert two.metrics["grad_norm"] == pytest.approx(one.metrics["grad_norm"], rel=1e-4)

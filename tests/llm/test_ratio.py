@@ -364,3 +364,24 @@ def test_loss_tokens_all_counts_the_solved_groups_in_the_mean(tiny):
     assert norms["signal", "diluted"] == pytest.approx(norms["signal", "alone"], rel=1e-5)
     assert norms["all", "alone"] == pytest.approx(norms["signal", "alone"], rel=1e-5)
     assert norms["all", "diluted"] == pytest.approx(norms["all", "alone"] * 4 / 28, rel=1e-5)
+
+
+def test_target_kl_stops_a_steps_epochs_once_the_policy_has_moved_that_far(tiny):
+    """PPO's early stopping: an epoch whose KL estimate from the step's starting weights has
+    passed `target_kl` takes no optimizer step, nor does any after it; the first always does.
+    Stopped after one epoch, the weights are exactly those of a one-epoch step."""
+    samples = samples_of(generated(Engine(tiny, device="cpu")))[1:]
+    free, moved = _update(tiny, samples, epochs=6)
+    assert free.metrics["epochs_done"] == 6 and free.metrics["approx_kl"] > 0
+    one, once = _update(tiny, samples, epochs=1)
+    stopped, early = _update(tiny, samples, epochs=6, target_kl=1e-12)
+    assert stopped.metrics["epochs_done"] == 1 and stopped.metrics["approx_kl"] > 1e-12
+    assert all(torch.equal(early[k], once[k]) for k in once)
+    assert stopped.metrics["loss"] == one.metrics["loss"]
+    loose, same = _update(tiny, samples, epochs=6, target_kl=1e9)
+    assert loose.metrics["epochs_done"] == 6
+    assert all(torch.equal(same[k], moved[k]) for k in moved)
+    # between the two: stops where the estimate first passes it
+    middle = free.metrics["approx_kl"] / 2
+    part, _ = _update(tiny, samples, epochs=6, target_kl=middle)
+    assert 1 <= part.metrics["epochs_done"] < 6 and part.metrics["approx_kl"] > middle

@@ -75,6 +75,10 @@ DEFAULTS: dict[str, Any] = {
     "kl_coef": 0.0,
     "micro_batch": 64,
     "max_grad_norm": 1.0,
+    # a step's later epochs stop once the mean KL estimate from the weights the step started
+    # from, over the generated tokens it trains on, passes this (None: every epoch runs;
+    # PPO's early stopping, as Stable-Baselines3's target_kl)
+    "target_kl": None,
     # asynchronous jobs (max_staleness > 0): the truncation of the per-token importance
     # weight pi_prox / pi_behaviour (see `off_policy_correct`)
     "importance_cap": 2.0,
@@ -260,9 +264,13 @@ class GRPOLM(Algorithm):
                                   else signal_tokens, 1.0),
                          signal=max(signal_tokens, 1.0), every=max(every_tokens, 1.0))
         trainer = distributed.wrap(model)  # DDP in a process group; else the model itself
-        for _ in range(int(self.config["epochs"]) if trained else 0):
-            metrics.update(self._epoch(trainer, model, reference, optimizer, params, batches,
-                                       totals))
+        for epoch in range(int(self.config["epochs"]) if trained else 0):
+            figures, stepped = self._epoch(trainer, model, reference, optimizer, params,
+                                           batches, totals, first=epoch == 0)
+            metrics.update(figures)
+            if not stepped:  # target_kl passed
+                break
+            metrics["epochs_done"] = epoch + 1
         if rank != 0:  # rank 0's update is the step's (distributed.update); write nothing
             return Update(state=None, metrics=metrics)
         out = Path(tempfile.mkdtemp(prefix="grpo_lm-"))
@@ -275,10 +283,13 @@ class GRPOLM(Algorithm):
         return Update(state={"dir": str(out), "owned": True}, metrics=metrics)
 
     def _epoch(self, trainer: Any, model: Any, reference: Any, optimizer: Any,
-               params: list[Any], batches: list[dict[str, Any]],
-               totals: _Totals) -> dict[str, float]:
+               params: list[Any], batches: list[dict[str, Any]], totals: _Totals,
+               *, first: bool) -> tuple[dict[str, float], bool]:
         """One optimizer step over `batches` (this rank's); `trainer` is `model` under DDP
-        in a process group (gradients all-reduced on the last backward), else `model`."""
+        in a process group (gradients all-reduced on the last backward), else `model`. Not
+        the first epoch's when `target_kl` is set and the KL estimate from the step's
+        starting weights (metric `approx_kl`) has passed it: then no step is taken, and the
+        second value returned is False."""
         import contextlib
 
         import torch
@@ -287,7 +298,8 @@ class GRPOLM(Algorithm):
         bounds = (1 - clip, 1 + (clip if high is None else float(high)))
         _, world_size = distributed.world()
         optimizer.zero_grad()
-        sums = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "ratio": 0.0, "entropy": 0.0}
+        sums = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "ratio": 0.0, "entropy": 0.0,
+                "approx_kl": 0.0, "tokens": 0.0}
         for index, batch in enumerate(batches):
             last = index == len(batches) - 1
             sync = (trainer.no_sync() if trainer is not model and not last
@@ -295,18 +307,24 @@ class GRPOLM(Algorithm):
             with sync:
                 self._micro_batch(trainer, model, reference, params, batch, totals,
                                   world_size, bounds, sums)
+        # every rank sums the same figures, so every rank takes the same decision below
+        loss, clipped, ratio, kl, entropy, drift, tokens = distributed.all_sum(
+            [sums["loss"], sums["clip_fraction"], sums["ratio"], sums["kl"], sums["entropy"],
+             sums["approx_kl"], sums["tokens"]], params[0].device)
+        approx_kl = drift / max(tokens, 1.0)
+        limit = self.config["target_kl"]
+        if limit is not None and not first and approx_kl > float(limit):
+            optimizer.zero_grad()
+            return {"approx_kl": approx_kl}, False
         # the norm before clipping (of the global batch's gradient: DDP has all-reduced it)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params,
                                                          float(self.config["max_grad_norm"])))
         optimizer.step()
-        loss, clipped, ratio, kl, entropy = distributed.all_sum(
-            [sums["loss"], sums["clip_fraction"], sums["ratio"], sums["kl"], sums["entropy"]],
-            params[0].device)
         return {"loss": loss, "grad_norm": grad_norm, "clip_fraction": clipped / totals.signal,
-                "mean_ratio": ratio / totals.signal,
+                "mean_ratio": ratio / totals.signal, "approx_kl": approx_kl,
                 **({"kl": kl / totals.signal} if reference is not None else {}),
                 **({"entropy": entropy / totals.every}
-                   if float(self.config["entropy_coef"]) > 0 else {})}
+                   if float(self.config["entropy_coef"]) > 0 else {})}, True
 
     def _micro_batch(self, trainer: Any, model: Any, reference: Any, params: list[Any],
                      batch: dict[str, Any], totals: _Totals, world_size: int,
@@ -355,6 +373,12 @@ class GRPOLM(Algorithm):
         sums["loss"] += float(loss.detach())
         outside = (ratio < bounds[0]) | (ratio > bounds[1])
         sums["clip_fraction"] += float((outside.float() * signal).sum())
+        # k3 estimate of KL(pi_start || pi) per generated token of every row (a solved
+        # group's too: its answers drifting is what target_kl guards), bounded where a token
+        # left the nucleus (a log-probability of -1e9)
+        log_ratio = (new - batch["old"]).detach().clamp(-20.0, 20.0)
+        sums["approx_kl"] += float(((log_ratio.exp() - 1 - log_ratio) * mask).sum())
+        sums["tokens"] += float(mask.sum())
         sums["ratio"] += float((ratio.detach() * signal).sum())
 
 
