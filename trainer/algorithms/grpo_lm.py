@@ -8,7 +8,9 @@ generated token (ratio in [1 - clip, 1 + clip_high]) against the log-probabiliti
 generation time, averaged over the tokens of the groups with a signal (`loss_tokens: signal`)
 or of every sample (`all`), minus `entropy_coef` times the sampled distribution's entropy
 over every sample's tokens, plus `kl_coef` times a KL estimate to the initial model when set;
-micro-batches of `micro_batch` samples accumulate gradients into one optimizer step per epoch.
+micro-batches of `micro_batch` samples accumulate gradients into one optimizer step per epoch;
+with `target_kl` an epoch after the first takes no step, and the step stops, once the mean k3
+KL estimate from the step's starting weights over the batch's generated tokens passes it.
 On CUDA when the training worker has it.
 
 `model` is anything trainer/llm/models.py resolves: a Hugging Face directory, a known name
