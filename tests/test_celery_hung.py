@@ -46,7 +46,11 @@ def test_two_hung_agents_at_c2_free_their_slots_and_six_more_rollouts_finish(
         agent="tests.celery_agents:ok_agent")
 
     def all_succeeded() -> bool:
-        runner_services.control_sweep()  # the watchdog, as beat runs it
+        # what beat runs: the watchdog, and the reconcile that sends a retry's message (a
+        # rollout requeued after its timeout has none until then, unless a later rollout
+        # of its project ended after the requeue; under CI's load one did not, and waited)
+        runner_services.control_sweep()
+        runner_services.control_reconcile()
         rows = Rollout.objects.filter(project=project).values_list("status", flat=True)
         return list(rows).count("succeeded") == 8
 
