@@ -201,7 +201,9 @@ def main() -> None:
                         help="agent rounds: 3 spans each, a reward every other round")
     parser.add_argument("--agent", choices=["returns-reward", "emits-reward"],
                         default="returns-reward")
-    parser.add_argument("--rollouts", type=int, default=3000, help="enqueued per server")
+    parser.add_argument("--rollouts", type=int, default=8000,
+                        help="enqueued per server (enough for the warm-up and the window at "
+                             "about 250 rollouts/s: the queue must not run dry)")
     parser.add_argument("--workers", type=int, default=default_workers(),
                         help="our server's processes (default: its own, $WEB_WORKERS or half "
                              "the CPUs; AGL's is one process)")

@@ -4,7 +4,8 @@ figures; asserts nothing. Not a test.
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/lightning_span_bench \
         .venv/bin/python bench/span_routes_bench.py [--spans 1600] [--server uvicorn|gunicorn]
 
-Our server (as bench/api_bench.py starts it), 16 runner threads, each on a rollout of its
+Our server (as bench/api_bench.py starts it, with its own default number of processes unless
+`--workers` says otherwise), 16 runner threads, each on a rollout of its
 own (claimed before the measurement), each span one request or two, in four phases of
 `--spans` spans: (1) OTLP/HTTP protobuf to `/v1/traces` (one span per request, as AGL's
 exporter sends them); (2) `POST /v1/agl/spans/next` alone; (3) `POST /v1/agl/spans` alone
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import api_bench as ab  # noqa: E402 - sets Django up
 from bench.serverstats import CpuMeter, percentiles  # noqa: E402
+from lightning_site.web import default_workers  # noqa: E402
 
 RUNNERS = 16
 
@@ -58,7 +60,8 @@ def claim_all(url: str, key: str) -> list[tuple[str, str]]:
 
 
 def phase(name: str, url: str, key: str, server, database: str, targets: list, spans: int
-          ) -> None:
+          ) -> float:
+    """Run one phase; print its figures; return its server CPU per span (us)."""
     per_runner = spans // RUNNERS
     latencies: dict[str, list[float]] = {"otlp": [], "next": [], "spans": []}
     errors: list[str] = []
@@ -110,13 +113,16 @@ def phase(name: str, url: str, key: str, server, database: str, targets: list, s
         if samples:
             p50, p99 = percentiles(samples)
             print(f"{'':>42}{route}: p50 {p50:.1f} ms, p99 {p99:.1f} ms")
+    return web + pg
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--spans", type=int, default=1600, help="spans per phase")
     parser.add_argument("--server", choices=["uvicorn", "gunicorn"], default="uvicorn")
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=default_workers(),
+                        help="our server's processes (default: its own, $WEB_WORKERS or half "
+                             "the CPUs)")
     parser.add_argument("--threads", type=int, default=8)
     args = parser.parse_args()
     key = ab.prepare_database()
@@ -130,8 +136,10 @@ def main() -> None:
         ab.connection.close()
         print(f"ours: {args.server} {args.workers} workers x {args.threads} threads, "
               f"{RUNNERS} runner threads, {args.spans} spans per phase")
-        for name in ("otlp", "next", "spans", "pair"):
-            phase(name, url, key, server, database, targets, args.spans)
+        cost = {name: phase(name, url, key, server, database, targets, args.spans)
+                for name in ("otlp", "next", "spans", "pair")}
+        print(f"per span, AGL's pair / the OTLP export: {cost['pair'] / cost['otlp']:.2f}x "
+              f"(issue 27's target: <= 1.5x)")
     finally:
         ab.stop(server)
 

@@ -25,11 +25,14 @@ What it adds over running Django under gunicorn's threads:
   `spans/next` and `spans` (store/api/fastjson.py): the common well-formed case without
   Django's middleware and DRF,
   the same answer; anything else falls through to Django. Those whose one statement only
-  reads or commits asynchronously (INLINE_ROUTES: the OTLP export, `spans`, the resources
-  read) run on the event loop's own thread and connection, without the hand-off to a thread
-  (WEB_INLINE=0: on the threads too); a row lock held by another transaction sends such a
-  request to Django's path after INLINE_LOCK_TIMEOUT_MS. Those whose one statement commits
-  synchronously (fastjson.AWAITED_ROUTES: `spans/next`, a bare verdict) are checked on the
+  reads or commits asynchronously (INLINE_ROUTES: the OTLP export, `spans`, `spans/next`
+  within its rollout's reserve, the resources read) run on the event loop's own thread and
+  connection, without the hand-off to a thread (WEB_INLINE=0: on the threads too); a row
+  lock held by another transaction sends such a request to Django's path after
+  INLINE_LOCK_TIMEOUT_MS, and a call that finds its statement would have to commit
+  synchronously answers fastpath.OnThread, stored nothing, and goes to a thread. Those whose
+  one statement commits synchronously (fastjson.AWAITED_ROUTES: a bare verdict, and
+  `spans/next` with WEB_INLINE=0) are checked on the
   loop's thread too, and their statement runs on one of a few asynchronous connections of
   the process (lightning_site/awaited.py), awaited: a WAL flush, or a row lock another
   transaction holds, holds neither the loop nor a thread (with WEB_AWAITED=1; off by default:
@@ -75,10 +78,12 @@ log = logging.getLogger(__name__)
 _JSON = [(b"content-type", b"application/json")]
 RETRY_AFTER_SECONDS = 2
 # Lean routes answered on the event loop's thread (Front._inline): one statement that
-# commits asynchronously (span writes) or only reads, so the loop never waits for a WAL
-# flush; the claim, `spans/next`, the verdict and the heartbeat (synchronous commits) and
-# everything through Django stay on the pool's threads.
-INLINE_ROUTES = frozenset({fastpath.TRACES_PATH, fastjson.SPANS_PATH, fastjson.RESOURCE_ROUTE})
+# commits asynchronously (span writes, a `spans/next` within its rollout's reserve) or only
+# reads, so the loop never waits for a WAL flush; the claim, the verdict and the heartbeat
+# (synchronous commits), a `spans/next` that must be durable, and everything through Django
+# stay on the pool's threads.
+INLINE_ROUTES = frozenset({fastpath.TRACES_PATH, fastjson.SPANS_PATH, fastjson.NEXT_SPAN_PATH,
+                           fastjson.RESOURCE_ROUTE})
 INLINE_LOCK_TIMEOUT_MS = 50
 # A scope key the protocol sets on a request its lean path left to Django: the front does not
 # offer it to the lean path again.
@@ -148,6 +153,9 @@ class Front:
             method, path, headers = scope["method"], scope["path"], dict(scope["headers"])
             if lean[0] in self.inline_routes:
                 answer = self._inline(lean, method, path, headers, body)
+                if type(answer) is fastpath.OnThread:  # not on the loop: on a thread
+                    answer = await self.pool.run(self._fast, (lean[0], answer.handler),
+                                                 method, path, headers, body)
             elif lean[0] in self.awaited_routes:
                 answer = await self._awaited(lean, method, path, headers, body)
             else:
@@ -228,13 +236,19 @@ class Front:
             return self.fast_json(method, path, query_string)
         return None
 
-    def _fast(self, lean: tuple, method: str, path: str, headers: dict, body: bytes
-              ) -> tuple | None:
+    def _fast(self, lean: tuple, method: str, path: str, headers: dict, body: bytes,
+              on_loop: bool = False) -> tuple | fastpath.OnThread | None:
         """A lean path (store/api/fastpath.py, fastjson.py), counted in /metrics like
-        Django's. A handler returns None (Django answers) before it stored anything."""
+        Django's. A handler returns None (Django answers) before it stored anything, or
+        OnThread (stored nothing either): its other handler answers, on a thread (here, or
+        on the loop's thread (`on_loop`) the caller's to hand over)."""
         route, handler = lean
         started = time.perf_counter()
         answer = handler(headers, path, body)
+        if type(answer) is fastpath.OnThread:
+            if on_loop:
+                return answer
+            answer = answer.handler(headers, path, body)
         if answer is not None:
             http_latency.labels(route).observe(time.perf_counter() - started)
             http_requests.labels(route, method, str(answer[0])).inc()
@@ -281,7 +295,7 @@ class Front:
         transaction on the same rollout, a sweep) fails the statement, which stored nothing,
         and the request goes to Django's path on a thread, as any None does: the loop is never
         held up longer than that by another transaction."""
-        return self._on_loop_thread(self._fast, lean, method, path, headers, body)
+        return self._on_loop_thread(self._fast, lean, method, path, headers, body, True)
 
     def _on_loop_thread(self, fn, *args: Any) -> Any:  # noqa: ANN001
         """`fn(*args)` on the event loop's thread, with that thread's own Django connection

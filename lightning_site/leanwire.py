@@ -4,8 +4,8 @@ uvicorn makes, for every request, a scope dict, a RequestResponseCycle with an a
 an asyncio task running the application, and `receive`/`send` coroutines with a message dict
 each; the ASGI front (lightning_site/asgi.py) then reads the body under a timer, finds the
 lean route, runs it and sends two messages. On AGL's runner mix every request but the rare
-ones is a lean route (the OTLP export, `spans`, the resources read on the event loop's
-thread; the dequeue, `spans/next`, the verdict and the heartbeat on a pool thread), so that
+ones is a lean route (the OTLP export, `spans`, `spans/next`, the resources read on the event
+loop's thread; the dequeue, the verdict and the heartbeat on a pool thread), so that
 machinery is much of the web process's CPU per request (README "Seventh pass on AGL's runner
 mix").
 
@@ -18,8 +18,9 @@ concurrency limit or access log, the front's awaited routes), no scope, cycle or
 made: the protocol collects the body itself (a body over STORE_API_MAX_BODY_BYTES is answered
 413, one not complete within WEB_BODY_TIMEOUT_SECONDS 408, as the front answers them), calls
 the front's own lean call for it (`Front._inline` on the loop's thread for its inline routes,
-`Front._fast` on the front's pool of threads for the others: the same handlers, the same
-Prometheus counters) and writes the answer's bytes as uvicorn would write them (its status
+`Front._fast` on the front's pool of threads for the others, and for an inline call that
+answered `OnThread`, with the handler it names: the same handlers, the same Prometheus
+counters) and writes the answer's bytes as uvicorn would write them (its status
 line and default headers, the front's Content-Length, `connection: close` where the request
 or the server ends the connection). Where the lean path answers None (Django answers), the
 request goes on as uvicorn would have started it, with its body already read, through the
@@ -128,6 +129,7 @@ class LeanProtocol(OneWriteProtocol):
             from lightning_site import asgi  # loaded already: the front is its application
 
             self._declined_key = asgi.LEAN_DECLINED
+            self._on_thread = asgi.fastpath.OnThread  # an inline call: "on a thread"
             self._refusal = asgi._JSON + [_CLOSE]  # the front's 408 / 413, in its words
             self._detail = asgi._detail
         self._default_headers: list | None = None
@@ -243,8 +245,10 @@ class LeanProtocol(OneWriteProtocol):
             except Exception as exc:
                 self._lean_answered(request, body, None, exc)
                 return
-            self._lean_answered(request, body, answer, None)
-            return
+            if type(answer) is not self._on_thread:
+                self._lean_answered(request, body, answer, None)
+                return
+            lean = (lean[0], answer.handler)  # not on the loop: on a thread
         front.pool.submit(front._fast, (lean, request.method, request.path, headers, body),
                           partial(self._lean_answered, request, body))
 

@@ -8,6 +8,7 @@ from django.db.models import Q
 
 from store.ids import new_resources_id, new_rollout_id
 from store.jsontext import SpanJSONEncoder
+from store.rules import SPAN_ID_BLOCK
 from store.statemachine import (
     ATTEMPT_LIVE,
     QUEUED,
@@ -171,6 +172,15 @@ class Rollout(models.Model):
     dispatch_count = models.PositiveIntegerField(default=0)
     # AGL's span sequence counter: one per rollout, shared by its attempts.
     next_span_sequence_id = models.PositiveIntegerField(default=1)
+    # What keeps an id `spans/next` handed out with an asynchronous commit from being handed
+    # out again after a crash (rules.SPAN_BASE, SPAN_IDS_DURABLE): ids below
+    # `span_ids_reserved` may be handed out asynchronously (it only moves in a synchronous
+    # commit), and `span_epoch` is the Postgres server start under which the counter last
+    # moved (set at enqueue; None on SQLite, or never known: the next reservation commits
+    # synchronously).
+    # (No CHECK >= 0: Postgres checks every CHECK of a table on each update of a row.)
+    span_ids_reserved = models.IntegerField(default=1 + SPAN_ID_BLOCK)
+    span_epoch = models.DateTimeField(null=True, blank=True)
     # The batch an algorithm waits on (a training step's rollouts); set at enqueue only, by
     # the algorithm's own services, never from a client's request.
     group = models.ForeignKey(

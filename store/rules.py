@@ -416,6 +416,45 @@ def _span_counter_sql(counter: str, next_explicit: str, missing: str) -> str:
 SPAN_COUNTER = Rule("span_counter", _span_counter, _span_counter_sql)
 
 
+# Ids `spans/next` may hand out past its last synchronous commit, per rollout: a reservation
+# that reaches past `span_ids_reserved` commits synchronously and moves it this far beyond.
+SPAN_ID_BLOCK = 1024
+
+
+def _span_base(counter: int, reserved: int, epoch: Any, current: Any) -> int:
+    """Where a rollout's counter moves from (before SPAN_COUNTER): the counter itself, unless
+    it last moved under another Postgres server start (`epoch`; `current`: this one's): a
+    crash may have lost reservations that were handed out, all below `reserved` (raised only
+    by a synchronous commit), so it starts at `reserved` at least (README "Span sequence ids
+    and crashes"). On SQLite both epochs are None: the counter itself."""
+    return counter if epoch == current else max(counter, reserved)
+
+
+def _span_base_sql(counter: str, reserved: str, epoch: str, current: str) -> str:
+    return (f"(CASE WHEN {epoch} IS NOT DISTINCT FROM {current} THEN {counter} "
+            f"ELSE GREATEST({counter}, {reserved}) END)")
+
+
+SPAN_BASE = Rule("span_base", _span_base, _span_base_sql)
+
+
+def _span_ids_durable(base: int, count: int, reserved: int, epoch: Any, current: Any) -> bool:
+    """Whether a reservation of `count` ids from `base` (SPAN_BASE) must commit synchronously:
+    it reaches past `reserved`, or the counter last moved under another server start. Then it
+    also moves `reserved` to SPAN_ID_BLOCK past the new counter; else it may commit
+    asynchronously (a crash that loses it leaves the counter below `reserved`, which the next
+    reservation under the new server start skips to)."""
+    return epoch != current or base + count > reserved
+
+
+def _span_ids_durable_sql(base: str, count: str, reserved: str, epoch: str, current: str
+                          ) -> str:
+    return (f"({epoch} IS DISTINCT FROM {current} OR {base} + {count} > {reserved})")
+
+
+SPAN_IDS_DURABLE = Rule("span_ids_durable", _span_ids_durable, _span_ids_durable_sql)
+
+
 # --- The error merge ------------------------------------------------------------------------------
 
 def _with_error(metadata: Any, error: str) -> dict:
@@ -572,5 +611,6 @@ def locks_in_order(*tables: str) -> None:
 
 ALL = (LIMIT, DEADLINE, CLAIMABLE, QUEUE_EXPIRED, ATTEMPT_OVERDUE, RETRY, ROLLOUT_FOR_ATTEMPT,
        FOLLOWS, HEARTBEAT_DUE, REVIVES, HEARTBEAT_MOVES_ROLLOUT, ERROR_MERGE, ATTEMPT_ID,
-       WORKER_FOR_ATTEMPT, WORKER_AFTER_CLAIM, GROUP_COUNT, SPAN_COUNTER, GPU_QUOTA, DECAYED,
+       WORKER_FOR_ATTEMPT, WORKER_AFTER_CLAIM, GROUP_COUNT, SPAN_COUNTER, SPAN_BASE,
+       SPAN_IDS_DURABLE, GPU_QUOTA, DECAYED,
        UNDER_CAP, SHARE_ORDER, FITS)

@@ -373,7 +373,8 @@ def test_every_rule_has_its_test():
     tested = {"limit", "deadline", "claimable", "queue_expired", "attempt_overdue", "retry",
               "rollout_for_attempt", "follows", "heartbeat_due", "revives",
               "heartbeat_moves_rollout", "error_merge", "attempt_id", "worker_for_attempt",
-              "worker_after_claim", "group_count", "span_counter", "gpu_quota", "decayed",
+              "worker_after_claim", "group_count", "span_counter", "span_base",
+              "span_ids_durable", "gpu_quota", "decayed",
               "under_cap", "share_order", "fits"}
     assert {rule.name for rule in rules.ALL} == tested
 
@@ -423,6 +424,46 @@ def test_span_counter_agrees():
                                    [0, 1, 3]))
     _check(rules.SPAN_COUNTER, {"counter": "%s::int4", "next": "%s::int4",
                                 "missing": "%s::int4"}, cases)
+
+
+_STARTS = [None, datetime(2026, 12, 1, 8, 0, tzinfo=UTC), datetime(2026, 12, 5, 9, 30, tzinfo=UTC)]
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+def test_span_base_agrees():
+    """A counter below, at and past the reserve; the rollout's epoch unknown (None), this
+    server start's, another's."""
+    cases = list(itertools.product([1, 64, 65, 500], [65, 129], _STARTS, _STARTS[1:]))
+    _check(rules.SPAN_BASE, {"counter": "%s::int4", "reserved": "%s::int4",
+                             "epoch": "%s::timestamptz", "current": "%s::timestamptz"}, cases)
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+def test_span_ids_durable_agrees():
+    """Reservations ending below, at and past the reserve, under this server start and
+    another (or an unknown one)."""
+    cases = list(itertools.product([1, 63, 64, 65, 200], [1, 2, 7], [65, 129], _STARTS,
+                                   _STARTS[1:]))
+    _check(rules.SPAN_IDS_DURABLE, {"base": "%s::int4", "count": "%s::int4",
+                                    "reserved": "%s::int4", "epoch": "%s::timestamptz",
+                                    "current": "%s::timestamptz"}, cases, convert=_as_bool)
+
+
+def test_span_base_skips_what_a_crash_may_have_lost():
+    """The same server start: the counter itself; another: at least the reserve; and a
+    reservation that stays within the reserve under the same start may commit
+    asynchronously, one that reaches past it (or under another start) may not."""
+    now, before = _STARTS[2], _STARTS[1]
+    assert rules.SPAN_BASE.python(10, 65, now, now) == 10
+    assert rules.SPAN_BASE.python(10, 65, before, now) == 65
+    assert rules.SPAN_BASE.python(10, 65, None, now) == 65
+    assert rules.SPAN_BASE.python(300, 65, before, now) == 300
+    assert rules.SPAN_BASE.python(10, 65, None, None) == 10  # SQLite
+    assert not rules.SPAN_IDS_DURABLE.python(64, 1, 65, now, now)
+    assert rules.SPAN_IDS_DURABLE.python(65, 1, 65, now, now)
+    assert rules.SPAN_IDS_DURABLE.python(10, 1, 65, before, now)
 
 
 @pytest.mark.postgres

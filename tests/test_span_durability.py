@@ -48,6 +48,51 @@ def test_a_span_only_transaction_commits_asynchronously_unless_inside_another(pr
     assert not any("synchronous_commit" in q["sql"] for q in finish.captured_queries)
 
 
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_spans_next_commits_asynchronously_only_within_the_rollouts_reserve(project):
+    """`spans/next`'s statement sets its own commit's mode (its second column): off while
+    the ids stay below the rollout's reserve under the server start that set its epoch;
+    on, moving the reserve, past it or under another start, whose first reservation also
+    skips to the reserve (what a crash may have lost lies below it)."""
+    from datetime import UTC, datetime
+
+    from django.db import connection
+
+    from store.models import Rollout
+    from store.rules import SPAN_ID_BLOCK
+
+    enqueue(project, 1)
+    rollout, _ = claim(project)
+
+    def reserve(count: int = 1, durable_ok: bool = True):
+        sql, params = services.span_next_sequence_statement(
+            project=project, rollout_id=rollout.pk, count=count, durable_ok=durable_ok)
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            return cursor.fetchone()
+
+    reserved = 1 + SPAN_ID_BLOCK
+    assert reserve() == (1, "off")
+    assert reserve(count=reserved - 2) == (2, "off")  # up to the reserve itself
+    assert reserve(durable_ok=False) is None  # past it: not where a flush may not wait
+    assert reserve() == (reserved, "on")
+    rollout.refresh_from_db()
+    assert rollout.span_ids_reserved == reserved + 1 + SPAN_ID_BLOCK
+    assert reserve() == (reserved + 1, "off")
+    Rollout.objects.filter(pk=rollout.pk).update(span_epoch=datetime(2000, 1, 1, tzinfo=UTC))
+    assert reserve() == (reserved + 1 + SPAN_ID_BLOCK, "on")
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_postmaster_start_time()")
+        now = cursor.fetchone()[0]
+    rollout.refresh_from_db()
+    assert rollout.span_epoch == now
+    # In a caller's transaction the statement leaves the caller's commit alone.
+    with transaction.atomic(), CaptureQueriesContext(connection) as inside:
+        services.span_next_sequence_id(project=project, rollout_id=rollout.pk, attempt_id="a")
+    assert not any(ASYNC in q["sql"] for q in inside.captured_queries)
+
+
 @pytest.fixture
 def private_postgres():
     # The WAL writer slowed to its maximum, so the completion's own flush is what saves spans.
@@ -105,3 +150,49 @@ def test_spans_of_a_completed_attempt_survive_a_crash_right_after_the_answer(
         status = conn.execute("SELECT status FROM store_attempt WHERE attempt_id = %s",
                               [aid]).fetchone()[0]
     assert (spans, status) == (4, "succeeded")
+
+
+@pytest.mark.slow
+def test_ids_handed_out_asynchronously_are_not_handed_out_again_after_a_crash(
+        private_postgres):
+    """`spans/next` within a rollout's reserve commits asynchronously: a crash may lose the
+    reservations that were answered. The first one after the restart (another server start)
+    skips to the reserve, past every id handed out before."""
+    url = private_postgres.url()
+    manage(url, "migrate", "--noinput", "-v0")
+    out = manage(url, "project_create", "durable", "--key", "algorithm")
+    key = out.strip().rsplit(" ", 1)[-1]
+    server = start_server(workers=1, threads=2, env={"DATABASE_URL": url})
+    try:
+        with httpx.Client(base_url=server.url + "/v1/agl", timeout=30,
+                          headers={"Authorization": f"Bearer {key}"}) as client:
+            started = client.post("/rollouts", json={"input": {"x": 1}}).json()
+            ids = {"rollout_id": started["rollout_id"],
+                   "attempt_id": started["attempt"]["attempt_id"]}
+            handed = [client.post("/spans/next", json=ids).json()["sequence_id"]
+                      for _ in range(5)]
+            assert handed == [1, 2, 3, 4, 5]
+            with psycopg.connect(url, autocommit=True) as conn:
+                written, flushed = conn.execute(
+                    "SELECT pg_current_wal_insert_lsn(), pg_current_wal_flush_lsn()").fetchone()
+                assert conn.execute("SELECT pg_wal_lsn_diff(%s, %s) > 0",
+                                    [written, flushed]).fetchone()[0]
+            private_postgres.crash()
+    finally:
+        server.stop()
+    private_postgres.start()
+    with psycopg.connect(url) as conn:
+        counter, reserved = conn.execute(
+            "SELECT next_span_sequence_id, span_ids_reserved FROM store_rollout WHERE id = %s",
+            [ids["rollout_id"]]).fetchone()
+    assert counter <= 6 < reserved  # the reservations lost (some or all), the reserve kept
+    server = start_server(workers=1, threads=2, env={"DATABASE_URL": url})
+    try:
+        with httpx.Client(base_url=server.url + "/v1/agl", timeout=30,
+                          headers={"Authorization": f"Bearer {key}"}) as client:
+            after = client.post("/spans/next", json=ids).json()["sequence_id"]
+            again = client.post("/spans/next", json=ids).json()["sequence_id"]
+    finally:
+        server.stop()
+    assert after == reserved > max(handed)
+    assert again == after + 1

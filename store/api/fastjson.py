@@ -376,8 +376,25 @@ def _next_span_fields(payload: dict) -> dict | None:
 
 def next_span_sequence_id(headers: dict[bytes, bytes], path: str, body: bytes
                           ) -> Answer | None:
-    """NextSpanSequenceIdView's answer, or None: let Django answer. One UPDATE in
-    autocommit, which checks the key too (`services.span_next_sequence_id`)."""
+    """NextSpanSequenceIdView's answer, or None: let Django answer. One statement in
+    autocommit, which checks the key too (`services.span_next_sequence_id`), and only a
+    reservation that may commit asynchronously: it runs on the ASGI front's event loop,
+    which must not wait for a WAL flush. Where it reserved nothing (one that must be
+    durable first: the first past the rollout's reserve, or under a new server start; or
+    an unknown rollout, a dead key) it answers OnThread: `next_span_sequence_id_durable` on
+    a thread."""
+    return _next_span(headers, path, body, durable_ok=False)
+
+
+def next_span_sequence_id_durable(headers: dict[bytes, bytes], path: str, body: bytes
+                                  ) -> Answer | None:
+    """`next_span_sequence_id` with any reservation (a synchronous commit where it must be
+    durable), for a thread; None: let Django answer (an unknown rollout, a dead key)."""
+    return _next_span(headers, path, body, durable_ok=True)
+
+
+def _next_span(headers: dict[bytes, bytes], path: str, body: bytes, durable_ok: bool
+               ) -> Answer | fastpath.OnThread | None:
     checked = _checked(headers, path, body, _NEXT_SPAN_ROLES, _next_span_fields)
     if checked is None:
         return None
@@ -385,12 +402,14 @@ def next_span_sequence_id(headers: dict[bytes, bytes], path: str, body: bytes
     project = key.project
     try:
         sequence_id = services.span_next_sequence_id(
-            project=project, live_key=key.live_check, **data
+            project=project, live_key=key.live_check, durable_ok=durable_ok, **data
         )
     except Exception:
         # Nothing reserved (unknown rollout, dead key): Django's path answers, in its words.
         log.debug("spans/next fast path: falling back to Django", exc_info=True)
         return None
+    if sequence_id is None:  # nothing reserved here: a thread's reservation may be durable
+        return fastpath.OnThread(next_span_sequence_id_durable)
     # NextSequenceIdOut rendered: one integer field, compact JSON.
     return _answered(_NEXT_SPAN_ALLOW, 200, b'{"sequence_id":%d}' % sequence_id, set())
 

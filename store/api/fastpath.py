@@ -20,6 +20,8 @@ more than this request: an HTTPS redirect, HSTS, or a proxy's HTTPS header.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import NamedTuple
 
 from django.conf import settings
 from django.http.request import split_domain_port, validate_host
@@ -34,6 +36,14 @@ log = logging.getLogger(__name__)
 
 TRACES_PATH = "/v1/traces"
 Answer = tuple[int, list[tuple[bytes, bytes]], bytes]
+
+
+class OnThread(NamedTuple):
+    """What a lean call run on the ASGI front's event loop answers for a request it must not
+    finish there (a statement that would wait for a WAL flush): the front runs `handler`
+    (the same signature) on one of its threads instead, having stored nothing."""
+
+    handler: Callable[[dict[bytes, bytes], str, bytes], Answer | None]
 
 
 def enabled() -> bool:

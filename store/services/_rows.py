@@ -11,7 +11,10 @@ import functools
 import itertools
 import json
 import re
+import threading
 import time
+import weakref
+from datetime import datetime
 
 import orjson
 import psycopg
@@ -47,6 +50,32 @@ def _loads(text: str, field: JSONField):
         except orjson.JSONDecodeError:  # e.g. an integer beyond 64 bits
             pass
     return json.loads(text, cls=field.decoder)
+
+
+# The Postgres server start each raw connection talks to (a connection never outlives one).
+_epochs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_epochs_lock = threading.Lock()
+# The same, in a statement of its own (rules.SPAN_BASE's `current`).
+SERVER_EPOCH_SQL = "pg_postmaster_start_time()"
+
+
+def server_epoch() -> datetime | None:
+    """When this connection's Postgres server started (`pg_postmaster_start_time()`, read
+    once per connection): the epoch of rollouts' span counters (rules.SPAN_BASE). None on
+    SQLite, whose commits are never asynchronous."""
+    if connection.vendor != "postgresql":
+        return None
+    connection.ensure_connection()
+    raw = connection.connection
+    with _epochs_lock:
+        known = _epochs.get(raw)
+    if known is None:
+        with connection.cursor() as cursor:
+            cursor.execute(f"SELECT {SERVER_EPOCH_SQL}")
+            known = cursor.fetchone()[0]
+        with _epochs_lock:
+            _epochs[raw] = known
+    return known
 
 
 # A column that makes the statement's transaction commit asynchronously (SET LOCAL's function

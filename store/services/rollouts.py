@@ -22,7 +22,7 @@ from store.services._common import (
     queue_deadline,
     worker_sync_for_attempts,
 )
-from store.services._rows import LiveKey
+from store.services._rows import LiveKey, server_epoch
 from store.services.groups import groups_add_members, rollouts_finished, rollouts_terminal
 from store.statemachine import (
     QUEUED,
@@ -121,6 +121,9 @@ def _build(project: Project, spec: RolloutSpec, config: RolloutConfig, now: date
         enqueue_time=now,
         queue_timeout_seconds=_queue_timeout(spec),
         idempotency_key=spec.idempotency_key,
+        # Its span counter's epoch: the enqueue commits synchronously, so `spans/next` may
+        # hand out the first SPAN_ID_BLOCK ids asynchronously (rules.SPAN_IDS_DURABLE).
+        span_epoch=server_epoch(),
     )
     rollout.queue_deadline = queue_deadline(rollout, now)
     return rollout

@@ -28,10 +28,12 @@ from store.services._common import attempt_deadline, set_attempt_status
 from store.services._copy import COPY_THRESHOLD
 from store.services._rows import (
     KEY_LIVE_SQL,
+    SERVER_EPOCH_SQL,
     LiveKey,
     attempts_and_rollouts_locked,
     fetch_one_prepared,
     require_key_live,
+    server_epoch,
 )
 from store.statemachine import AttemptStatus, RolloutConfig, RolloutStatus
 from store.text import find_bad_text
@@ -348,19 +350,23 @@ def _row(span: dict[str, Any], attempt: Attempt) -> Span:
 def _assign_sequence_ids(
     spans: Sequence[dict[str, Any]], attempts: dict[tuple[str, str], Attempt]
 ) -> list[Rollout]:
-    """AGL's per-rollout counter (rules.SPAN_COUNTER), shared by the rollout's attempts (the
-    rollout rows are locked): an explicit `sequence_id` raises it past that id, then spans
-    without one get the next ids. Returns the rollouts whose counter moved."""
+    """AGL's per-rollout counter (rules.SPAN_COUNTER, from rules.SPAN_BASE), shared by the
+    rollout's attempts (the rollout rows are locked): an explicit `sequence_id` raises it
+    past that id, then spans without one get the next ids. Returns the rollouts whose
+    counter moved."""
     rollouts = {a.rollout_id: a.rollout for a in attempts.values()}
     by_rollout: dict[str, list[dict[str, Any]]] = {}
     for span in spans:
         by_rollout.setdefault(span["rollout_id"], []).append(span)
     moved: dict[str, Rollout] = {}
+    epoch = server_epoch()
     for rollout_id, mine in by_rollout.items():
         rollout = rollouts[rollout_id]
         explicit = [s["sequence_id"] for s in mine if s.get("sequence_id") is not None]
         missing = [s for s in mine if s.get("sequence_id") is None]
-        counter = rules.SPAN_COUNTER.python(rollout.next_span_sequence_id,
+        base = rules.SPAN_BASE.python(rollout.next_span_sequence_id,
+                                      rollout.span_ids_reserved, rollout.span_epoch, epoch)
+        counter = rules.SPAN_COUNTER.python(base,
                                             max(explicit) + 1 if explicit else None,
                                             len(missing))
         if counter == rollout.next_span_sequence_id:
@@ -483,6 +489,10 @@ def _common_sql(count: int, key_checked: bool = False) -> str:
     moves = ("a.due AND a.revivable AND "
              f"{rules.HEARTBEAT_MOVES_ROLLOUT.sql('r.status', 'r.latest_attempt_id', 'a.id')}")
     bound = rules.MAX_LIMIT_SECONDS
+    # Where the counter moves from (after a server restart, past what `spans/next` may
+    # have handed out asynchronously); a span write never moves the reserve.
+    base = rules.SPAN_BASE.sql("r.next_span_sequence_id", "r.span_ids_reserved",
+                               "r.span_epoch", SERVER_EPOCH_SQL)
     return (
         # The attempt, locked; its heartbeat `due` and `revivable` (revived when due) as
         # `_ingest` decides them (rules; an unresponsive attempt is the full path's), and its
@@ -504,7 +514,7 @@ def _common_sql(count: int, key_checked: bool = False) -> str:
         "FROM a WHERE t.id = a.id AND a.due RETURNING t.id), "
         # The rollout: its counter, and preparing/requeuing -> running.
         "r AS (UPDATE store_rollout r SET next_span_sequence_id = "
-        f"{rules.SPAN_COUNTER.sql('r.next_span_sequence_id', '%s::int4', '%s::int4')}, "
+        f"{rules.SPAN_COUNTER.sql(base, '%s::int4', '%s::int4')}, "
         f"status = CASE WHEN {moves} THEN {rules.literal(RolloutStatus.RUNNING)} "
         "ELSE r.status END, "
         f"queue_deadline = CASE WHEN {moves} THEN NULL ELSE r.queue_deadline END "
@@ -526,20 +536,28 @@ def _deadline(attempt: Attempt, now: datetime) -> datetime | None:
 
 def span_next_sequence_id(
     *, project: Project, rollout_id: str, attempt_id: str, count: int = 1,
-    live_key: LiveKey | None = None,
-) -> int:
+    live_key: LiveKey | None = None, durable_ok: bool = True,
+) -> int | None:
     """Reserve `count` span sequence ids of a rollout (its counter is shared by all its
     attempts, so any attempt id of a known rollout will do, as in AGL); returns the first.
 
     One statement, without a transaction of its own (in autocommit it is its own; in a
-    caller's, part of it): the UPDATE locks the rollout's row, so concurrent reservations
-    of one rollout get disjoint ids. Its commit stays synchronous: an id handed out must not
-    be handed out again after a crash. With `live_key` (a lean request's key), the
-    statement also checks that key: KeyNotLive and nothing reserved unless it is live."""
+    caller's, part of it): it locks the rollout's row, so concurrent reservations of one
+    rollout get disjoint ids. On Postgres in autocommit it commits asynchronously while the
+    ids stay below the rollout's `span_ids_reserved` under the server start that last moved
+    its counter, else synchronously (rules.SPAN_BASE, SPAN_IDS_DURABLE: an id handed out is
+    never handed out again, after a crash too; README "Span sequence ids and crashes").
+    With `durable_ok` False (the ASGI front's event loop, which must not wait for a WAL
+    flush), a reservation that would commit synchronously is not made: None, nothing
+    written. With `live_key` (a lean request's key), the statement also checks that key:
+    KeyNotLive and nothing reserved unless it is live."""
     if count < 1:
         raise InvalidInput("count", "must be >= 1")
+    alone = not connection.in_atomic_block and connection.get_autocommit()
     sql, params = span_next_sequence_statement(project=project, rollout_id=rollout_id,
-                                               count=count, live_key=live_key)
+                                               count=count, live_key=live_key,
+                                               durable_ok=durable_ok or not alone,
+                                               alone=alone)
     if connection.vendor == "postgresql":
         row = fetch_one_prepared(sql, params)  # prepared once per connection
     else:
@@ -547,6 +565,8 @@ def span_next_sequence_id(
             cursor.execute(sql, params)
             row = cursor.fetchone()
     if row is None:
+        if not durable_ok and connection.vendor == "postgresql":
+            return None  # unknown, a dead key, or one to commit synchronously: the full path
         require_key_live(live_key)
         raise NotFound("rollout", rollout_id)
     return row[0]
@@ -554,17 +574,55 @@ def span_next_sequence_id(
 
 def span_next_sequence_statement(
     *, project: Project, rollout_id: str, count: int = 1, live_key: LiveKey | None = None,
+    durable_ok: bool = True, alone: bool = True,
 ) -> tuple[str, list]:
     """`span_next_sequence_id`'s one statement and its parameters, for a caller that runs
-    it on a connection of its own (the ASGI front's awaited connections: autocommit, a
-    synchronous commit): its one row is the first id reserved; no row, nothing reserved
-    (an unknown rollout, another project's, or a dead key)."""
-    return (_next_sequence_sql(live_key is not None),
-            [count, rollout_id, project.pk, *(live_key or ()), count])
+    it on a connection of its own (the ASGI front's awaited connections: autocommit): its
+    one row is the first id reserved; no row, nothing reserved (an unknown rollout, another
+    project's, a dead key, or with `durable_ok` False one that would commit
+    synchronously). `alone`: the statement is its own transaction (autocommit) and sets
+    its commit's mode; inside a caller's transaction it leaves the caller's."""
+    if connection.vendor != "postgresql":
+        return (_next_sequence_sql_sqlite(live_key is not None),
+                [count, rollout_id, project.pk, *(live_key or ()), count])
+    return (_next_sequence_sql(live_key is not None, durable_ok, alone),
+            [count, count, count, rollout_id, project.pk, *(live_key or ()),
+             *(() if durable_ok else (count,)), count])
 
 
 @functools.cache
-def _next_sequence_sql(key_checked: bool) -> str:
+def _next_sequence_sql(key_checked: bool, durable_ok: bool, alone: bool) -> str:
+    """Postgres: one UPDATE of the rollout's row, its counter moved from rules.SPAN_BASE;
+    a durable move (rules.SPAN_IDS_DURABLE) also moves the reserve SPAN_ID_BLOCK past the new
+    counter. Alone, the statement sets its commit's mode (SET LOCAL's function form), told
+    by the row as written: only a durable move leaves the reserve exactly SPAN_ID_BLOCK past
+    the counter (any other move raises the counter and leaves the reserve, which was at most
+    that far past it), so RETURNING, which sees the new row only, tells them apart."""
+    table = Rollout._meta.db_table
+    key = f" AND {KEY_LIVE_SQL}" if key_checked else ""
+    epoch = SERVER_EPOCH_SQL
+    block = rules.SPAN_ID_BLOCK
+    base = rules.SPAN_BASE.sql("next_span_sequence_id", "span_ids_reserved", "span_epoch",
+                               epoch)
+    durable = rules.SPAN_IDS_DURABLE.sql(base, "%s::int4", "span_ids_reserved", "span_epoch",
+                                         epoch)
+    mode = ("span_ids_reserved - next_span_sequence_id = " f"{block}")
+    return (
+        f'UPDATE "{table}" SET next_span_sequence_id = {base} + %s::int4, '
+        f"span_ids_reserved = CASE WHEN {durable} THEN {base} + %s::int4 + {block} "
+        f"ELSE span_ids_reserved END, span_epoch = {epoch} "
+        f'WHERE "id" = %s AND "project_id" = %s{key}'
+        f"{'' if durable_ok else f' AND NOT {durable}'} "
+        'RETURNING "next_span_sequence_id" - %s::int4'
+        + (f", set_config('synchronous_commit', CASE WHEN {mode} THEN 'on' ELSE 'off' END, "
+           "true)" if alone else "")
+    )
+
+
+@functools.cache
+def _next_sequence_sql_sqlite(key_checked: bool) -> str:
+    """SQLite: its commits are never asynchronous, so the counter itself (rules.SPAN_BASE
+    with both epochs None)."""
     table = Rollout._meta.db_table
     key = f" AND {KEY_LIVE_SQL}" if key_checked else ""
     return (f'UPDATE "{table}" SET "next_span_sequence_id" = "next_span_sequence_id" + %s '

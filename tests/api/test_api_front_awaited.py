@@ -137,7 +137,8 @@ def _held(server, key: str, lock_sql: str, lock_id, request) -> tuple:  # noqa: 
 def test_a_span_id_waiting_for_a_row_lock_holds_no_thread(project, key):
     enqueue(project, 1)
     rollout, attempt = claim(project)
-    server = start_server(workers=1, threads=1, env={"WEB_AWAITED": "1"})
+    # WEB_INLINE=0: else `spans/next` is answered on the loop (an asynchronous commit)
+    server = start_server(workers=1, threads=1, env={"WEB_AWAITED": "1", "WEB_INLINE": "0"})
     try:
         answer = _held(server, key, "SELECT 1 FROM store_rollout WHERE id = %s FOR UPDATE",
                        rollout.pk, lambda client: client.post("/spans/next", json={
@@ -168,8 +169,10 @@ def test_a_verdict_waiting_for_a_row_lock_holds_no_thread(project, key):
 
 def test_awaited_connections_commit_each_statement_synchronously(project):
     """The awaited connections run in autocommit with the database's synchronous commit (a
-    reserved span id and a verdict are durable once answered, as on the threads), and a
-    statement's write is committed when it returns (another connection sees it)."""
+    verdict is durable once answered, as on the threads; `spans/next`'s statement sets its
+    own commit's mode: off within the rollout's reserve, README "Span sequence ids and
+    crashes"), and a statement's write is committed when it returns (another connection
+    sees it)."""
     enqueue(project, 1)
     rollout, attempt = claim(project)
     sql, params = services.span_next_sequence_statement(project=project, rollout_id=rollout.pk)
@@ -194,7 +197,7 @@ def test_awaited_connections_commit_each_statement_synchronously(project):
 
     setting, row, seen, prepared = asyncio.run(run())
     assert setting == ("on", True)
-    assert row == (1,)
+    assert row == (1, "off")
     assert seen == 2
     assert prepared == (1,)
 

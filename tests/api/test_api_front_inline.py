@@ -1,5 +1,5 @@
 """The lean routes the ASGI front answers on its event loop's thread (lightning_site/asgi.py,
-INLINE_ROUTES: OTLP export, `spans`, the resources read): through a real one-process server,
+INLINE_ROUTES: OTLP export, `spans`, `spans/next`, the resources read): through a real one-process server,
 the same answers as with the pool's threads (WEB_INLINE=0), and a row lock held by another
 transaction holds the loop up for at most INLINE_LOCK_TIMEOUT_MS: the request then goes to
 Django's path on a thread (which waits for the lock and answers), and other requests are
@@ -45,9 +45,9 @@ def key(project) -> str:
     return services.api_key_create(project=project, role="runner")[1]
 
 
-def test_the_inline_routes_are_the_lean_span_writes_and_the_resources_read():
+def test_the_inline_routes_are_the_lean_span_writes_span_ids_and_the_resources_read():
     assert asgi.INLINE_ROUTES == {fastpath.TRACES_PATH, fastjson.SPANS_PATH,
-                                  fastjson.RESOURCE_ROUTE}
+                                  fastjson.NEXT_SPAN_PATH, fastjson.RESOURCE_ROUTE}
     assert asgi.application.inline_routes == asgi.INLINE_ROUTES
 
 
@@ -66,14 +66,43 @@ def test_inline_and_pooled_answers_are_the_same(project, key):
                 span_id = span["span_id"]
                 added = client.post("/spans", json=span)
                 again = client.post("/spans", json=span)  # a duplicate: null
+                reserved = client.post("/spans/next", json={
+                    "rollout_id": rollout.pk, "attempt_id": attempt.attempt_id})
         finally:
             server.stop()
         body = added.content.replace(rollout.pk.encode(), b"R").replace(
             attempt.attempt_id.encode(), b"A").replace(span_id.encode(), b"S")
-        answers.append((_comparable(resources), added.status_code, body, _comparable(again)))
+        answers.append((_comparable(resources), added.status_code, body, _comparable(again),
+                        _comparable(reserved)))
     assert answers[0][1] == 201
     assert answers[0] == answers[1]
     assert Span.objects.count() == 2
+
+
+@pytest.mark.parametrize("protocol", ["1", "0"])  # uvicorn's protocol (leanwire), the front
+def test_a_span_id_that_must_be_durable_is_answered_on_a_thread(project, key, protocol):
+    """Past its rollout's reserve the loop's call stores nothing (OnThread) and a thread
+    reserves it with a synchronous commit, moving the reserve; the next is the loop's again."""
+    from django.db.models import F
+
+    from store.models import Rollout
+    from store.rules import SPAN_ID_BLOCK
+
+    enqueue(project, 1)
+    rollout, attempt = claim(project)
+    Rollout.objects.filter(pk=rollout.pk).update(next_span_sequence_id=F("span_ids_reserved"))
+    server = start_server(workers=1, env={"WEB_LEAN_PROTOCOL": protocol})
+    try:
+        with http(server, key) as client:
+            ids = [client.post("/spans/next", json={
+                "rollout_id": rollout.pk, "attempt_id": attempt.attempt_id}).json()
+                for _ in range(2)]
+    finally:
+        server.stop()
+    reserve = 1 + SPAN_ID_BLOCK
+    assert ids == [{"sequence_id": reserve}, {"sequence_id": reserve + 1}]
+    rollout.refresh_from_db()
+    assert rollout.span_ids_reserved == reserve + 1 + SPAN_ID_BLOCK
 
 
 def test_a_locked_attempt_holds_the_loop_up_only_briefly(project, key):
