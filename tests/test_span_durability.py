@@ -101,6 +101,14 @@ def private_postgres():
         yield cluster
 
 
+def _migrated_with_a_key(cluster) -> tuple[str, str]:
+    """The private cluster's database migrated, with a project and its algorithm key."""
+    url = cluster.url()
+    manage(url, "migrate", "--noinput", "-v0")
+    out = manage(url, "project_create", "durable", "--key", "algorithm")
+    return url, out.strip().rsplit(" ", 1)[-1]
+
+
 def _otlp(rid: str, aid: str, index: int) -> bytes:
     from tests.api.test_api_otlp import export_request
 
@@ -114,10 +122,7 @@ def _otlp(rid: str, aid: str, index: int) -> bytes:
 @pytest.mark.parametrize("route", ["spans", "otlp"])  # otlp: its one-statement common case too
 def test_spans_of_a_completed_attempt_survive_a_crash_right_after_the_answer(
         private_postgres, route):
-    url = private_postgres.url()
-    manage(url, "migrate", "--noinput", "-v0")
-    out = manage(url, "project_create", "durable", "--key", "algorithm")
-    key = out.strip().rsplit(" ", 1)[-1]
+    url, key = _migrated_with_a_key(private_postgres)
     server = start_server(workers=1, threads=2, env={"DATABASE_URL": url})
     try:
         with httpx.Client(base_url=server.url + "/v1/agl", timeout=30,
@@ -158,10 +163,7 @@ def test_ids_handed_out_asynchronously_are_not_handed_out_again_after_a_crash(
     """`spans/next` within a rollout's reserve commits asynchronously: a crash may lose the
     reservations that were answered. The first one after the restart (another server start)
     skips to the reserve, past every id handed out before."""
-    url = private_postgres.url()
-    manage(url, "migrate", "--noinput", "-v0")
-    out = manage(url, "project_create", "durable", "--key", "algorithm")
-    key = out.strip().rsplit(" ", 1)[-1]
+    url, key = _migrated_with_a_key(private_postgres)
     server = start_server(workers=1, threads=2, env={"DATABASE_URL": url})
     try:
         with httpx.Client(base_url=server.url + "/v1/agl", timeout=30,
