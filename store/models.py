@@ -175,9 +175,9 @@ class Rollout(models.Model):
     # What keeps an id `spans/next` handed out with an asynchronous commit from being handed
     # out again after a crash (rules.SPAN_BASE, SPAN_IDS_DURABLE): ids below
     # `span_ids_reserved` may be handed out asynchronously (it only moves in a synchronous
-    # commit), and `span_epoch` is the Postgres server start under which the counter last
-    # moved (set at enqueue; None on SQLite, or never known: the next reservation commits
-    # synchronously).
+    # commit), and `span_epoch` is the span epoch (a new one after every crash recovery:
+    # store/services/_rows.py server_epoch) in which the counter last moved (set at enqueue;
+    # None on SQLite, or unknown: the next reservation commits synchronously).
     # (No CHECK >= 0: Postgres checks every CHECK of a table on each update of a row.)
     span_ids_reserved = models.IntegerField(default=1 + SPAN_ID_BLOCK)
     span_epoch = models.DateTimeField(null=True, blank=True)

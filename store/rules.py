@@ -421,17 +421,23 @@ SPAN_COUNTER = Rule("span_counter", _span_counter, _span_counter_sql)
 SPAN_ID_BLOCK = 1024
 
 
+def _same_epoch(epoch: Any, current: Any) -> bool:
+    return epoch is not None and epoch == current
+
+
 def _span_base(counter: int, reserved: int, epoch: Any, current: Any) -> int:
-    """Where a rollout's counter moves from (before SPAN_COUNTER): the counter itself, unless
-    it last moved under another Postgres server start (`epoch`; `current`: this one's): a
-    crash may have lost reservations that were handed out, all below `reserved` (raised only
-    by a synchronous commit), so it starts at `reserved` at least (README "Span sequence ids
-    and crashes"). On SQLite both epochs are None: the counter itself."""
-    return counter if epoch == current else max(counter, reserved)
+    """Where a rollout's counter moves from on Postgres (before SPAN_COUNTER): the counter
+    itself, unless it last moved in another span epoch (`epoch`; `current`: the one now,
+    None where unknown): a crash since may have lost reservations that were handed out, all
+    below `reserved` (raised only by a synchronous commit), so it starts at `reserved` at
+    least (README "Span sequence ids and crashes"). A rollout without an epoch (None) handed
+    out nothing asynchronously (SPAN_IDS_DURABLE): the counter itself. SQLite's commits are
+    never asynchronous: its paths take the counter itself."""
+    return counter if epoch is None or epoch == current else max(counter, reserved)
 
 
 def _span_base_sql(counter: str, reserved: str, epoch: str, current: str) -> str:
-    return (f"(CASE WHEN {epoch} IS NOT DISTINCT FROM {current} THEN {counter} "
+    return (f"(CASE WHEN {epoch} IS NULL OR {epoch} = {current} THEN {counter} "
             f"ELSE GREATEST({counter}, {reserved}) END)")
 
 
@@ -440,16 +446,16 @@ SPAN_BASE = Rule("span_base", _span_base, _span_base_sql)
 
 def _span_ids_durable(base: int, count: int, reserved: int, epoch: Any, current: Any) -> bool:
     """Whether a reservation of `count` ids from `base` (SPAN_BASE) must commit synchronously:
-    it reaches past `reserved`, or the counter last moved under another server start. Then it
+    it reaches past `reserved`, or the counter last moved in another span epoch. Then it
     also moves `reserved` to SPAN_ID_BLOCK past the new counter; else it may commit
     asynchronously (a crash that loses it leaves the counter below `reserved`, which the next
-    reservation under the new server start skips to)."""
-    return epoch != current or base + count > reserved
+    reservation in a new epoch skips to)."""
+    return not _same_epoch(epoch, current) or base + count > reserved
 
 
 def _span_ids_durable_sql(base: str, count: str, reserved: str, epoch: str, current: str
                           ) -> str:
-    return (f"({epoch} IS DISTINCT FROM {current} OR {base} + {count} > {reserved})")
+    return f"(({epoch} = {current}) IS NOT TRUE OR {base} + {count} > {reserved})"
 
 
 SPAN_IDS_DURABLE = Rule("span_ids_durable", _span_ids_durable, _span_ids_durable_sql)

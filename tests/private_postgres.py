@@ -3,7 +3,8 @@ cluster of the development machine is never stopped): initdb in a temporary fold
 port, run as the `postgres` user (initdb refuses root).
 
 - `PrivatePostgres(port)`: `init()`, `start()`, `crash()` (`pg_ctl stop -m immediate`: no
-  checkpoint, no WAL flush), `remove()`, `url(database)`.
+  checkpoint, no WAL flush), `crash_a_backend()` (SIGKILL one backend: the postmaster resets
+  and recovers without restarting), `remove()`, `url(database)`.
 - `private_postgres_cluster(port, database="lightning")`: a context manager yielding a
   started cluster with `database` created, removed at the end; skips the test where the
   machine cannot run one (not root, no initdb or runuser).
@@ -16,9 +17,11 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -71,6 +74,24 @@ class PrivatePostgres:
 
     def crash(self) -> None:
         self._as_postgres(_bin("pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop")
+
+    def crash_a_backend(self) -> None:
+        """SIGKILL one backend: the postmaster stays up, ends every other backend, resets
+        shared memory (WAL not yet written to disk is lost) and recovers from the WAL on disk;
+        returns once the cluster accepts connections again."""
+        with psycopg.connect(self.url("postgres"), autocommit=True) as conn:
+            pid = conn.execute("SELECT pg_backend_pid()").fetchone()[0]
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with psycopg.connect(self.url("postgres"), autocommit=True) as conn:
+                    conn.execute("SELECT 1")
+                return
+            except psycopg.OperationalError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
     def remove(self) -> None:
         try:

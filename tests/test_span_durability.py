@@ -52,18 +52,21 @@ def test_a_span_only_transaction_commits_asynchronously_unless_inside_another(pr
 @pytest.mark.django_db(transaction=True)
 def test_spans_next_commits_asynchronously_only_within_the_rollouts_reserve(project):
     """`spans/next`'s statement sets its own commit's mode (its second column): off while
-    the ids stay below the rollout's reserve under the server start that set its epoch;
-    on, moving the reserve, past it or under another start, whose first reservation also
-    skips to the reserve (what a crash may have lost lies below it)."""
+    the ids stay below the rollout's reserve in the span epoch it was enqueued in; on,
+    moving the reserve, past it or in another epoch (after a crash), whose first
+    reservation also skips to the reserve (what a crash may have lost lies below it)."""
     from datetime import UTC, datetime
 
     from django.db import connection
 
     from store.models import Rollout
     from store.rules import SPAN_ID_BLOCK
+    from store.services._rows import server_epoch
 
+    assert server_epoch() is not None  # started in autocommit (as a lean request's first call)
     enqueue(project, 1)
     rollout, _ = claim(project)
+    assert rollout.span_epoch == server_epoch()
 
     def reserve(count: int = 1, durable_ok: bool = True):
         sql, params = services.span_next_sequence_statement(
@@ -83,7 +86,7 @@ def test_spans_next_commits_asynchronously_only_within_the_rollouts_reserve(proj
     Rollout.objects.filter(pk=rollout.pk).update(span_epoch=datetime(2000, 1, 1, tzinfo=UTC))
     assert reserve() == (reserved + 1 + SPAN_ID_BLOCK, "on")
     with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_postmaster_start_time()")
+        cursor.execute("SELECT started FROM store_span_epoch")
         now = cursor.fetchone()[0]
     rollout.refresh_from_db()
     assert rollout.span_epoch == now
@@ -158,11 +161,13 @@ def test_spans_of_a_completed_attempt_survive_a_crash_right_after_the_answer(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("crash", ["stop", "backend"])  # the server stopped; a backend killed
 def test_ids_handed_out_asynchronously_are_not_handed_out_again_after_a_crash(
-        private_postgres):
+        private_postgres, crash):
     """`spans/next` within a rollout's reserve commits asynchronously: a crash may lose the
-    reservations that were answered. The first one after the restart (another server start)
-    skips to the reserve, past every id handed out before."""
+    reservations that were answered, whether Postgres stops (`pg_ctl stop -m immediate`) or
+    a backend dies (the postmaster stays up and resets: an OOM kill). The first one after
+    the recovery (a new span epoch) skips to the reserve, past every id handed out before."""
     url, key = _migrated_with_a_key(private_postgres)
     server = start_server(workers=1, threads=2, env={"DATABASE_URL": url})
     try:
@@ -179,10 +184,14 @@ def test_ids_handed_out_asynchronously_are_not_handed_out_again_after_a_crash(
                     "SELECT pg_current_wal_insert_lsn(), pg_current_wal_flush_lsn()").fetchone()
                 assert conn.execute("SELECT pg_wal_lsn_diff(%s, %s) > 0",
                                     [written, flushed]).fetchone()[0]
-            private_postgres.crash()
+            if crash == "backend":
+                private_postgres.crash_a_backend()
+            else:
+                private_postgres.crash()
     finally:
         server.stop()
-    private_postgres.start()
+    if crash == "stop":
+        private_postgres.start()
     with psycopg.connect(url) as conn:
         counter, reserved = conn.execute(
             "SELECT next_span_sequence_id, span_ids_reserved FROM store_rollout WHERE id = %s",

@@ -380,7 +380,7 @@ def next_span_sequence_id(headers: dict[bytes, bytes], path: str, body: bytes
     autocommit, which checks the key too (`services.span_next_sequence_id`), and only a
     reservation that may commit asynchronously: it runs on the ASGI front's event loop,
     which must not wait for a WAL flush. Where it reserved nothing (one that must be
-    durable first: the first past the rollout's reserve, or under a new server start; or
+    durable first: the first past the rollout's reserve, or in a new span epoch; or
     an unknown rollout, a dead key) it answers OnThread: `next_span_sequence_id_durable` on
     a thread."""
     return _next_span(headers, path, body, durable_ok=False)

@@ -52,27 +52,39 @@ def _loads(text: str, field: JSONField):
     return json.loads(text, cls=field.decoder)
 
 
-# The Postgres server start each raw connection talks to (a connection never outlives one).
+# The span epoch (README "Span sequence ids and crashes"): one row of an UNLOGGED table,
+# which Postgres empties in every crash recovery (a server stopped without a checkpoint, a
+# backend killed and the shared memory reset, a replica promoted), so a new epoch starts
+# after anything that can lose an asynchronous commit. Statements read it themselves.
+SPAN_EPOCH_TABLE = "store_span_epoch"
+EPOCH_SQL = f"(SELECT started FROM {SPAN_EPOCH_TABLE} WHERE id = 1)"
+# What each raw connection found (a crash ends every connection, so it never goes stale).
 _epochs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _epochs_lock = threading.Lock()
-# The same, in a statement of its own (rules.SPAN_BASE's `current`).
-SERVER_EPOCH_SQL = "pg_postmaster_start_time()"
 
 
 def server_epoch() -> datetime | None:
-    """When this connection's Postgres server started (`pg_postmaster_start_time()`, read
-    once per connection): the epoch of rollouts' span counters (rules.SPAN_BASE). None on
-    SQLite, whose commits are never asynchronous."""
+    """The current span epoch (rules.SPAN_BASE's `current`), started here where there is
+    none yet (in autocommit only: a caller's transaction could roll it back); read once per
+    connection. None on SQLite (its commits are never asynchronous), or in a transaction on
+    the rare first call after a crash (unknown: the next reservation is durable)."""
     if connection.vendor != "postgresql":
         return None
     connection.ensure_connection()
     raw = connection.connection
     with _epochs_lock:
         known = _epochs.get(raw)
-    if known is None:
-        with connection.cursor() as cursor:
-            cursor.execute(f"SELECT {SERVER_EPOCH_SQL}")
+    if known is not None:
+        return known
+    with connection.cursor() as cursor:
+        for _ in range(3):  # a concurrent first insert: read again
+            cursor.execute(f"SELECT {EPOCH_SQL}")
             known = cursor.fetchone()[0]
+            if known is not None or connection.in_atomic_block:
+                break
+            cursor.execute(f"INSERT INTO {SPAN_EPOCH_TABLE} (id, started) "
+                           "VALUES (1, clock_timestamp()) ON CONFLICT (id) DO NOTHING")
+    if known is not None:
         with _epochs_lock:
             _epochs[raw] = known
     return known

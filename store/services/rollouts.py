@@ -122,7 +122,8 @@ def _build(project: Project, spec: RolloutSpec, config: RolloutConfig, now: date
         queue_timeout_seconds=_queue_timeout(spec),
         idempotency_key=spec.idempotency_key,
         # Its span counter's epoch: the enqueue commits synchronously, so `spans/next` may
-        # hand out the first SPAN_ID_BLOCK ids asynchronously (rules.SPAN_IDS_DURABLE).
+        # hand out the first SPAN_ID_BLOCK ids asynchronously (rules.SPAN_IDS_DURABLE;
+        # None, unknown: the first commits synchronously).
         span_epoch=server_epoch(),
     )
     rollout.queue_deadline = queue_deadline(rollout, now)

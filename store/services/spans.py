@@ -27,8 +27,8 @@ from store.services._bulk import Write, insert_new
 from store.services._common import attempt_deadline, set_attempt_status
 from store.services._copy import COPY_THRESHOLD
 from store.services._rows import (
+    EPOCH_SQL,
     KEY_LIVE_SQL,
-    SERVER_EPOCH_SQL,
     LiveKey,
     attempts_and_rollouts_locked,
     fetch_one_prepared,
@@ -359,13 +359,16 @@ def _assign_sequence_ids(
     for span in spans:
         by_rollout.setdefault(span["rollout_id"], []).append(span)
     moved: dict[str, Rollout] = {}
+    postgres = connection.vendor == "postgresql"
     epoch = server_epoch()
     for rollout_id, mine in by_rollout.items():
         rollout = rollouts[rollout_id]
         explicit = [s["sequence_id"] for s in mine if s.get("sequence_id") is not None]
         missing = [s for s in mine if s.get("sequence_id") is None]
-        base = rules.SPAN_BASE.python(rollout.next_span_sequence_id,
-                                      rollout.span_ids_reserved, rollout.span_epoch, epoch)
+        base = rollout.next_span_sequence_id  # SQLite: never an asynchronous commit
+        if postgres:
+            base = rules.SPAN_BASE.python(base, rollout.span_ids_reserved, rollout.span_epoch,
+                                          epoch)
         counter = rules.SPAN_COUNTER.python(base,
                                             max(explicit) + 1 if explicit else None,
                                             len(missing))
@@ -492,7 +495,7 @@ def _common_sql(count: int, key_checked: bool = False) -> str:
     # Where the counter moves from (after a server restart, past what `spans/next` may
     # have handed out asynchronously); a span write never moves the reserve.
     base = rules.SPAN_BASE.sql("r.next_span_sequence_id", "r.span_ids_reserved",
-                               "r.span_epoch", SERVER_EPOCH_SQL)
+                               "r.span_epoch", EPOCH_SQL)
     return (
         # The attempt, locked; its heartbeat `due` and `revivable` (revived when due) as
         # `_ingest` decides them (rules; an unresponsive attempt is the full path's), and its
@@ -544,7 +547,7 @@ def span_next_sequence_id(
     One statement, without a transaction of its own (in autocommit it is its own; in a
     caller's, part of it): it locks the rollout's row, so concurrent reservations of one
     rollout get disjoint ids. On Postgres in autocommit it commits asynchronously while the
-    ids stay below the rollout's `span_ids_reserved` under the server start that last moved
+    ids stay below the rollout's `span_ids_reserved` in the span epoch that last moved
     its counter, else synchronously (rules.SPAN_BASE, SPAN_IDS_DURABLE: an id handed out is
     never handed out again, after a crash too; README "Span sequence ids and crashes").
     With `durable_ok` False (the ASGI front's event loop, which must not wait for a WAL
@@ -554,6 +557,7 @@ def span_next_sequence_id(
     if count < 1:
         raise InvalidInput("count", "must be >= 1")
     alone = not connection.in_atomic_block and connection.get_autocommit()
+    server_epoch()  # the span epoch started where a crash emptied it (the statement reads it)
     sql, params = span_next_sequence_statement(project=project, rollout_id=rollout_id,
                                                count=count, live_key=live_key,
                                                durable_ok=durable_ok or not alone,
@@ -586,8 +590,7 @@ def span_next_sequence_statement(
         return (_next_sequence_sql_sqlite(live_key is not None),
                 [count, rollout_id, project.pk, *(live_key or ()), count])
     return (_next_sequence_sql(live_key is not None, durable_ok, alone),
-            [count, count, count, rollout_id, project.pk, *(live_key or ()),
-             *(() if durable_ok else (count,)), count])
+            [count, rollout_id, project.pk, *(live_key or ())])
 
 
 @functools.cache
@@ -600,29 +603,26 @@ def _next_sequence_sql(key_checked: bool, durable_ok: bool, alone: bool) -> str:
     that far past it), so RETURNING, which sees the new row only, tells them apart."""
     table = Rollout._meta.db_table
     key = f" AND {KEY_LIVE_SQL}" if key_checked else ""
-    epoch = SERVER_EPOCH_SQL
     block = rules.SPAN_ID_BLOCK
-    base = rules.SPAN_BASE.sql("next_span_sequence_id", "span_ids_reserved", "span_epoch",
-                               epoch)
-    durable = rules.SPAN_IDS_DURABLE.sql(base, "%s::int4", "span_ids_reserved", "span_epoch",
-                                         epoch)
-    mode = ("span_ids_reserved - next_span_sequence_id = " f"{block}")
+    counter, reserved = "r.next_span_sequence_id", "r.span_ids_reserved"
+    base = rules.SPAN_BASE.sql(counter, reserved, "r.span_epoch", "c.e")
+    durable = rules.SPAN_IDS_DURABLE.sql(base, "c.n", reserved, "r.span_epoch", "c.e")
     return (
-        f'UPDATE "{table}" SET next_span_sequence_id = {base} + %s::int4, '
-        f"span_ids_reserved = CASE WHEN {durable} THEN {base} + %s::int4 + {block} "
-        f"ELSE span_ids_reserved END, span_epoch = {epoch} "
-        f'WHERE "id" = %s AND "project_id" = %s{key}'
+        f'UPDATE "{table}" r SET next_span_sequence_id = {base} + c.n, '
+        f"span_ids_reserved = CASE WHEN {durable} THEN {base} + c.n + {block} "
+        f"ELSE {reserved} END, span_epoch = c.e "
+        f"FROM (SELECT {EPOCH_SQL} AS e, %s::int4 AS n) c "
+        f'WHERE r."id" = %s AND r."project_id" = %s{key}'
         f"{'' if durable_ok else f' AND NOT {durable}'} "
-        'RETURNING "next_span_sequence_id" - %s::int4'
-        + (f", set_config('synchronous_commit', CASE WHEN {mode} THEN 'on' ELSE 'off' END, "
-           "true)" if alone else "")
+        f"RETURNING {counter} - c.n"
+        + (f", set_config('synchronous_commit', CASE WHEN {reserved} - {counter} = {block} "
+           "THEN 'on' ELSE 'off' END, true)" if alone else "")
     )
 
 
 @functools.cache
 def _next_sequence_sql_sqlite(key_checked: bool) -> str:
-    """SQLite: its commits are never asynchronous, so the counter itself (rules.SPAN_BASE
-    with both epochs None)."""
+    """SQLite: its commits are never asynchronous, so the counter itself."""
     table = Rollout._meta.db_table
     key = f" AND {KEY_LIVE_SQL}" if key_checked else ""
     return (f'UPDATE "{table}" SET "next_span_sequence_id" = "next_span_sequence_id" + %s '
