@@ -441,7 +441,7 @@ def _export_common(project: Project, spans: Sequence[dict[str, Any]], now: datet
     params: list[Any] = [
         now, first["rollout_id"], first["attempt_id"], project.pk, *(live_key or ()),  # a
         AttemptStatus.RUNNING, now,  # u
-        max(explicit) + 1 if explicit else None, missing, missing,  # r
+        server_epoch(), max(explicit) + 1 if explicit else None, missing, missing,  # r
     ]
     plan = _span_plan()
     ordinal = 0
@@ -492,10 +492,11 @@ def _common_sql(count: int, key_checked: bool = False) -> str:
     moves = ("a.due AND a.revivable AND "
              f"{rules.HEARTBEAT_MOVES_ROLLOUT.sql('r.status', 'r.latest_attempt_id', 'a.id')}")
     bound = rules.MAX_LIMIT_SECONDS
-    # Where the counter moves from (after a server restart, past what `spans/next` may
-    # have handed out asynchronously); a span write never moves the reserve.
+    # Where the counter moves from: after a crash (a new span epoch: the parameter, as this
+    # connection found it) past what `spans/next` may have handed out asynchronously; a
+    # span write never moves the reserve.
     base = rules.SPAN_BASE.sql("r.next_span_sequence_id", "r.span_ids_reserved",
-                               "r.span_epoch", EPOCH_SQL)
+                               "r.span_epoch", "%s::timestamptz")
     return (
         # The attempt, locked; its heartbeat `due` and `revivable` (revived when due) as
         # `_ingest` decides them (rules; an unresponsive attempt is the full path's), and its
@@ -556,15 +557,16 @@ def span_next_sequence_id(
     KeyNotLive and nothing reserved unless it is live."""
     if count < 1:
         raise InvalidInput("count", "must be >= 1")
-    alone = not connection.in_atomic_block and connection.get_autocommit()
-    server_epoch()  # the span epoch started where a crash emptied it (the statement reads it)
-    sql, params = span_next_sequence_statement(project=project, rollout_id=rollout_id,
-                                               count=count, live_key=live_key,
-                                               durable_ok=durable_ok or not alone,
-                                               alone=alone)
     if connection.vendor == "postgresql":
+        alone = not connection.in_atomic_block and connection.get_autocommit()
+        # The span epoch as this connection found it (started where a crash emptied it): a
+        # parameter, valid while the connection lives (a crash ends every connection).
+        sql = _next_sequence_sql(live_key is not None, durable_ok or not alone, alone, True)
+        params = [server_epoch(), count, rollout_id, project.pk, *(live_key or ())]
         row = fetch_one_prepared(sql, params)  # prepared once per connection
     else:
+        sql, params = span_next_sequence_statement(project=project, rollout_id=rollout_id,
+                                                   count=count, live_key=live_key)
         with connection.cursor() as cursor:
             cursor.execute(sql, params)
             row = cursor.fetchone()
@@ -585,19 +587,23 @@ def span_next_sequence_statement(
     one row is the first id reserved; no row, nothing reserved (an unknown rollout, another
     project's, a dead key, or with `durable_ok` False one that would commit
     synchronously). `alone`: the statement is its own transaction (autocommit) and sets
-    its commit's mode; inside a caller's transaction it leaves the caller's."""
+    its commit's mode; inside a caller's transaction it leaves the caller's. It reads the
+    span epoch itself, on the connection that runs it."""
     if connection.vendor != "postgresql":
         return (_next_sequence_sql_sqlite(live_key is not None),
                 [count, rollout_id, project.pk, *(live_key or ()), count])
-    return (_next_sequence_sql(live_key is not None, durable_ok, alone),
+    return (_next_sequence_sql(live_key is not None, durable_ok, alone, False),
             [count, rollout_id, project.pk, *(live_key or ())])
 
 
 @functools.cache
-def _next_sequence_sql(key_checked: bool, durable_ok: bool, alone: bool) -> str:
+def _next_sequence_sql(key_checked: bool, durable_ok: bool, alone: bool, epoch_given: bool
+                       ) -> str:
     """Postgres: one UPDATE of the rollout's row, its counter moved from rules.SPAN_BASE;
     a durable move (rules.SPAN_IDS_DURABLE) also moves the reserve SPAN_ID_BLOCK past the new
-    counter. Alone, the statement sets its commit's mode (SET LOCAL's function form), told
+    counter. The span epoch is its first parameter (`epoch_given`: the caller's connection's,
+    `server_epoch`) or read by the statement. Alone, it sets its commit's mode (SET LOCAL's
+    function form), told
     by the row as written: only a durable move leaves the reserve exactly SPAN_ID_BLOCK past
     the counter (any other move raises the counter and leaves the reserve, which was at most
     that far past it), so RETURNING, which sees the new row only, tells them apart."""
@@ -611,7 +617,7 @@ def _next_sequence_sql(key_checked: bool, durable_ok: bool, alone: bool) -> str:
         f'UPDATE "{table}" r SET next_span_sequence_id = {base} + c.n, '
         f"span_ids_reserved = CASE WHEN {durable} THEN {base} + c.n + {block} "
         f"ELSE {reserved} END, span_epoch = c.e "
-        f"FROM (SELECT {EPOCH_SQL} AS e, %s::int4 AS n) c "
+        f"FROM (SELECT {'%s::timestamptz' if epoch_given else EPOCH_SQL} AS e, %s::int4 AS n) c "
         f'WHERE r."id" = %s AND r."project_id" = %s{key}'
         f"{'' if durable_ok else f' AND NOT {durable}'} "
         f"RETURNING {counter} - c.n"
