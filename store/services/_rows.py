@@ -65,9 +65,9 @@ _epochs_lock = threading.Lock()
 
 def server_epoch() -> datetime | None:
     """The current span epoch (rules.SPAN_BASE's `current`), started here where there is
-    none yet (in autocommit only: a caller's transaction could roll it back); read once per
-    connection. None on SQLite (its commits are never asynchronous), or in a transaction on
-    the rare first call after a crash (unknown: the next reservation is durable)."""
+    none yet (after a crash). Kept per connection once read outside a transaction (inside
+    one it may be this transaction's own start of it, which a rollback would undo: read
+    again next time). None on SQLite, whose commits are never asynchronous."""
     if connection.vendor != "postgresql":
         return None
     connection.ensure_connection()
@@ -77,14 +77,19 @@ def server_epoch() -> datetime | None:
     if known is not None:
         return known
     with connection.cursor() as cursor:
-        for _ in range(3):  # a concurrent first insert: read again
+        for _ in range(3):  # a concurrent first start: read again
             cursor.execute(f"SELECT {EPOCH_SQL}")
             known = cursor.fetchone()[0]
-            if known is not None or connection.in_atomic_block:
+            if known is not None:
                 break
             cursor.execute(f"INSERT INTO {SPAN_EPOCH_TABLE} (id, started) "
-                           "VALUES (1, clock_timestamp()) ON CONFLICT (id) DO NOTHING")
-    if known is not None:
+                           "VALUES (1, clock_timestamp()) ON CONFLICT (id) DO NOTHING "
+                           "RETURNING started")
+            started = cursor.fetchone()
+            if started is not None:
+                known = started[0]
+                break
+    if known is not None and not connection.in_atomic_block:
         with _epochs_lock:
             _epochs[raw] = known
     return known

@@ -104,7 +104,7 @@ def _pin_resources(project: Project, specs: Sequence[RolloutSpec]) -> _Pins:
 
 
 def _build(project: Project, spec: RolloutSpec, config: RolloutConfig, now: datetime,
-           pins: _Pins) -> Rollout:
+           pins: _Pins, epoch: datetime | None) -> Rollout:
     resources_id, resources_version = pins.pick(spec.resources_id)
     rollout = Rollout(
         id=new_rollout_id(),
@@ -124,7 +124,7 @@ def _build(project: Project, spec: RolloutSpec, config: RolloutConfig, now: date
         # Its span counter's epoch: the enqueue commits synchronously, so `spans/next` may
         # hand out the first SPAN_ID_BLOCK ids asynchronously (rules.SPAN_IDS_DURABLE;
         # None, unknown: the first commits synchronously).
-        span_epoch=server_epoch(),
+        span_epoch=epoch,
     )
     rollout.queue_deadline = queue_deadline(rollout, now)
     return rollout
@@ -170,6 +170,7 @@ def _enqueue_once(project: Project, specs: Sequence[RolloutSpec],
         for r in Rollout.objects.filter(project=project, idempotency_key__in=keys)
     } if keys else {}
     pins = _pin_resources(project, [s for s in specs if s.idempotency_key not in existing])
+    epoch = server_epoch()
     now = timezone.now()
     result: list[Rollout] = []
     new: list[Rollout] = []
@@ -180,7 +181,8 @@ def _enqueue_once(project: Project, specs: Sequence[RolloutSpec],
             result.append(existing[key])
             continue
         # Microsecond steps keep FIFO order inside one batch.
-        rollout = _build(project, spec, config, now + timedelta(microseconds=index), pins)
+        rollout = _build(project, spec, config, now + timedelta(microseconds=index), pins,
+                         epoch)
         if key:
             existing[key] = rollout
         rollout.group = group
@@ -275,7 +277,7 @@ def rollout_start(
             if key and Rollout.objects.filter(project=project, idempotency_key=key).exists():
                 raise IntegrityError(key)
             pins = _pin_resources(project, [spec])
-            rollout = _build(project, spec, config, now, pins)
+            rollout = _build(project, spec, config, now, pins, server_epoch())
             rollout.queue_deadline = None
             rollout.save(force_insert=True)
             attempt = new_attempt(rollout, worker_id, now)
