@@ -75,21 +75,27 @@ def test_spans_next_commits_asynchronously_only_within_the_rollouts_reserve(proj
             cursor.execute(sql, params)
             return cursor.fetchone()
 
-    reserved = 1 + SPAN_ID_BLOCK
-    assert reserve() == (1, "off")
-    assert reserve(count=reserved - 2) == (2, "off")  # up to the reserve itself
-    assert reserve(durable_ok=False) is None  # past it: not where a flush may not wait
-    assert reserve() == (reserved, "on")
-    rollout.refresh_from_db()
-    assert rollout.span_ids_reserved == reserved + 1 + SPAN_ID_BLOCK
-    assert reserve() == (reserved + 1, "off")
-    Rollout.objects.filter(pk=rollout.pk).update(span_epoch=datetime(2000, 1, 1, tzinfo=UTC))
-    assert reserve() == (reserved + 1 + SPAN_ID_BLOCK, "on")
     with connection.cursor() as cursor:
         cursor.execute("SELECT started FROM store_span_epoch")
         now = cursor.fetchone()[0]
+    reserved = 1 + SPAN_ID_BLOCK
+    assert reserve() == (1, now, "off")  # (the first id, the epoch it read, the commit)
+    assert reserve(count=reserved - 2) == (2, now, "off")  # up to the reserve itself
+    assert reserve(durable_ok=False) is None  # past it: not where a flush may not wait
+    assert reserve() == (reserved, now, "on")
+    rollout.refresh_from_db()
+    assert rollout.span_ids_reserved == reserved + 1 + SPAN_ID_BLOCK
+    assert reserve() == (reserved + 1, now, "off")
+    Rollout.objects.filter(pk=rollout.pk).update(span_epoch=datetime(2000, 1, 1, tzinfo=UTC))
+    assert reserve() == (reserved + 1 + SPAN_ID_BLOCK, now, "on")
     rollout.refresh_from_db()
     assert rollout.span_epoch == now
+    # No epoch (a crash emptied it, and nobody started one yet): durable, and started again.
+    with connection.cursor() as cursor:
+        cursor.execute("DELETE FROM store_span_epoch")
+    assert reserve() == (reserved + 2 + 2 * SPAN_ID_BLOCK, None, "on")  # skipped again
+    services.span_next_sequence_id(project=project, rollout_id=rollout.pk, attempt_id="a")
+    assert server_epoch() not in (None, now)
     # In a caller's transaction the statement leaves the caller's commit alone.
     with transaction.atomic(), CaptureQueriesContext(connection) as inside:
         services.span_next_sequence_id(project=project, rollout_id=rollout.pk, attempt_id="a")

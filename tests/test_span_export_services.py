@@ -97,11 +97,8 @@ def test_the_common_case_answers_as_the_full_path_does(project, config):
 
 @pytest.mark.postgres
 def test_the_common_case_is_one_statement_and_commits_asynchronously(project):
-    from store.services._rows import server_epoch
-
     enqueue(project, 1)
     rollout, attempt = claim(project)
-    server_epoch()  # read once per connection (the span epoch), then kept
     for names in (["a"], ["b", "c"]):  # preparing (revived), then heartbeat not due
         with CaptureQueriesContext(connection) as common:
             services.spans_export(project=project,

@@ -55,25 +55,37 @@ def _loads(text: str, field: JSONField):
 # The span epoch (README "Span sequence ids and crashes"): one row of an UNLOGGED table,
 # which Postgres empties in every crash recovery (a server stopped without a checkpoint, a
 # backend killed and the shared memory reset, a replica promoted), so a new epoch starts
-# after anything that can lose an asynchronous commit. Statements read it themselves.
+# after anything that can lose an asynchronous commit. The statements that decide on it
+# read it themselves.
 SPAN_EPOCH_TABLE = "store_span_epoch"
 EPOCH_SQL = f"(SELECT started FROM {SPAN_EPOCH_TABLE} WHERE id = 1)"
-# What each raw connection found (a crash ends every connection, so it never goes stale).
+# What each raw connection found (a copy, which may go stale behind a pooler: see
+# server_epoch).
 _epochs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _epochs_lock = threading.Lock()
 
 
-def server_epoch() -> datetime | None:
-    """The current span epoch (rules.SPAN_BASE's `current`), started here where there is
-    none yet (after a crash). Kept per connection once read outside a transaction (inside
-    one it may be this transaction's own start of it, which a rollback would undo: read
-    again next time). None on SQLite, whose commits are never asynchronous."""
+def epoch_now() -> datetime | None:
+    """The span epoch as the database has it now (None: none, after a crash)."""
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT {EPOCH_SQL}")
+        return cursor.fetchone()[0]
+
+
+def server_epoch(renew: bool = False) -> datetime | None:
+    """The span epoch, started here where there is none yet (after a crash), for what may
+    use a copy kept per connection: a new rollout's (an epoch gone stale only makes its
+    first reservation durable). The statements that decide on it read it themselves: behind
+    a pooler a client's connection outlives a crash. Kept once read outside a transaction
+    (inside one it may be this transaction's own start of it, which a rollback would undo);
+    `renew`: read (and start) it again. None on SQLite, whose commits are never
+    asynchronous."""
     if connection.vendor != "postgresql":
         return None
     connection.ensure_connection()
     raw = connection.connection
     with _epochs_lock:
-        known = _epochs.get(raw)
+        known = None if renew else _epochs.get(raw)
     if known is not None:
         return known
     with connection.cursor() as cursor:

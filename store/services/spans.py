@@ -31,6 +31,7 @@ from store.services._rows import (
     KEY_LIVE_SQL,
     LiveKey,
     attempts_and_rollouts_locked,
+    epoch_now,
     fetch_one_prepared,
     require_key_live,
     server_epoch,
@@ -360,7 +361,7 @@ def _assign_sequence_ids(
         by_rollout.setdefault(span["rollout_id"], []).append(span)
     moved: dict[str, Rollout] = {}
     postgres = connection.vendor == "postgresql"
-    epoch = server_epoch()
+    epoch = epoch_now() if postgres else None  # read in this transaction, not a kept copy
     for rollout_id, mine in by_rollout.items():
         rollout = rollouts[rollout_id]
         explicit = [s["sequence_id"] for s in mine if s.get("sequence_id") is not None]
@@ -441,7 +442,7 @@ def _export_common(project: Project, spans: Sequence[dict[str, Any]], now: datet
     params: list[Any] = [
         now, first["rollout_id"], first["attempt_id"], project.pk, *(live_key or ()),  # a
         AttemptStatus.RUNNING, now,  # u
-        server_epoch(), max(explicit) + 1 if explicit else None, missing, missing,  # r
+        max(explicit) + 1 if explicit else None, missing, missing,  # r
     ]
     plan = _span_plan()
     ordinal = 0
@@ -492,11 +493,11 @@ def _common_sql(count: int, key_checked: bool = False) -> str:
     moves = ("a.due AND a.revivable AND "
              f"{rules.HEARTBEAT_MOVES_ROLLOUT.sql('r.status', 'r.latest_attempt_id', 'a.id')}")
     bound = rules.MAX_LIMIT_SECONDS
-    # Where the counter moves from: after a crash (a new span epoch: the parameter, as this
-    # connection found it) past what `spans/next` may have handed out asynchronously; a
-    # span write never moves the reserve.
+    # Where the counter moves from: after a crash (a new span epoch, read by the statement)
+    # past what `spans/next` may have handed out asynchronously; a span write never moves
+    # the reserve.
     base = rules.SPAN_BASE.sql("r.next_span_sequence_id", "r.span_ids_reserved",
-                               "r.span_epoch", "%s::timestamptz")
+                               "r.span_epoch", EPOCH_SQL)
     return (
         # The attempt, locked; its heartbeat `due` and `revivable` (revived when due) as
         # `_ingest` decides them (rules; an unresponsive attempt is the full path's), and its
@@ -559,11 +560,12 @@ def span_next_sequence_id(
         raise InvalidInput("count", "must be >= 1")
     if connection.vendor == "postgresql":
         alone = not connection.in_atomic_block and connection.get_autocommit()
-        # The span epoch as this connection found it (started where a crash emptied it): a
-        # parameter, valid while the connection lives (a crash ends every connection).
-        sql = _next_sequence_sql(live_key is not None, durable_ok or not alone, alone, True)
-        params = [server_epoch(), count, rollout_id, project.pk, *(live_key or ())]
-        row = fetch_one_prepared(sql, params)  # prepared once per connection
+        sql = _next_sequence_sql(live_key is not None, durable_ok or not alone, alone)
+        row = fetch_one_prepared(sql, [count, rollout_id, project.pk, *(live_key or ())])
+        if row is not None and row[1] is None:
+            # No span epoch (a crash emptied it): this one was durable; start one, so the
+            # next may be asynchronous.
+            server_epoch(renew=True)
     else:
         sql, params = span_next_sequence_statement(project=project, rollout_id=rollout_id,
                                                    count=count, live_key=live_key)
@@ -592,18 +594,17 @@ def span_next_sequence_statement(
     if connection.vendor != "postgresql":
         return (_next_sequence_sql_sqlite(live_key is not None),
                 [count, rollout_id, project.pk, *(live_key or ()), count])
-    return (_next_sequence_sql(live_key is not None, durable_ok, alone, False),
+    return (_next_sequence_sql(live_key is not None, durable_ok, alone),
             [count, rollout_id, project.pk, *(live_key or ())])
 
 
 @functools.cache
-def _next_sequence_sql(key_checked: bool, durable_ok: bool, alone: bool, epoch_given: bool
-                       ) -> str:
+def _next_sequence_sql(key_checked: bool, durable_ok: bool, alone: bool) -> str:
     """Postgres: one UPDATE of the rollout's row, its counter moved from rules.SPAN_BASE;
     a durable move (rules.SPAN_IDS_DURABLE) also moves the reserve SPAN_ID_BLOCK past the new
-    counter. The span epoch is its first parameter (`epoch_given`: the caller's connection's,
-    `server_epoch`) or read by the statement. Alone, it sets its commit's mode (SET LOCAL's
-    function form), told
+    counter. It reads the span epoch itself (no copy a client kept could outlive a crash:
+    behind a pooler a client's connection does) and returns it after the first id. Alone,
+    it sets its commit's mode (SET LOCAL's function form), told
     by the row as written: only a durable move leaves the reserve exactly SPAN_ID_BLOCK past
     the counter (any other move raises the counter and leaves the reserve, which was at most
     that far past it), so RETURNING, which sees the new row only, tells them apart."""
@@ -617,10 +618,10 @@ def _next_sequence_sql(key_checked: bool, durable_ok: bool, alone: bool, epoch_g
         f'UPDATE "{table}" r SET next_span_sequence_id = {base} + c.n, '
         f"span_ids_reserved = CASE WHEN {durable} THEN {base} + c.n + {block} "
         f"ELSE {reserved} END, span_epoch = c.e "
-        f"FROM (SELECT {'%s::timestamptz' if epoch_given else EPOCH_SQL} AS e, %s::int4 AS n) c "
+        f"FROM (SELECT {EPOCH_SQL} AS e, %s::int4 AS n) c "
         f'WHERE r."id" = %s AND r."project_id" = %s{key}'
         f"{'' if durable_ok else f' AND NOT {durable}'} "
-        f"RETURNING {counter} - c.n"
+        f"RETURNING {counter} - c.n, c.e"
         + (f", set_config('synchronous_commit', CASE WHEN {reserved} - {counter} = {block} "
            "THEN 'on' ELSE 'off' END, true)" if alone else "")
     )
