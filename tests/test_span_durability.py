@@ -79,21 +79,21 @@ def test_spans_next_commits_asynchronously_only_within_the_rollouts_reserve(proj
         cursor.execute("SELECT started FROM store_span_epoch")
         now = cursor.fetchone()[0]
     reserved = 1 + SPAN_ID_BLOCK
-    assert reserve() == (1, now, "off")  # (the first id, the epoch it read, the commit)
-    assert reserve(count=reserved - 2) == (2, now, "off")  # up to the reserve itself
+    assert reserve() == (1, False, "off")  # (the first id, no epoch found?, the commit)
+    assert reserve(count=reserved - 2) == (2, False, "off")  # up to the reserve itself
     assert reserve(durable_ok=False) is None  # past it: not where a flush may not wait
-    assert reserve() == (reserved, now, "on")
+    assert reserve() == (reserved, False, "on")
     rollout.refresh_from_db()
     assert rollout.span_ids_reserved == reserved + 1 + SPAN_ID_BLOCK
-    assert reserve() == (reserved + 1, now, "off")
+    assert reserve() == (reserved + 1, False, "off")
     Rollout.objects.filter(pk=rollout.pk).update(span_epoch=datetime(2000, 1, 1, tzinfo=UTC))
-    assert reserve() == (reserved + 1 + SPAN_ID_BLOCK, now, "on")
+    assert reserve() == (reserved + 1 + SPAN_ID_BLOCK, False, "on")
     rollout.refresh_from_db()
     assert rollout.span_epoch == now
     # No epoch (a crash emptied it, and nobody started one yet): durable, and started again.
     with connection.cursor() as cursor:
         cursor.execute("DELETE FROM store_span_epoch")
-    assert reserve() == (reserved + 2 + 2 * SPAN_ID_BLOCK, None, "on")  # skipped again
+    assert reserve() == (reserved + 2 + 2 * SPAN_ID_BLOCK, True, "on")  # skipped again
     services.span_next_sequence_id(project=project, rollout_id=rollout.pk, attempt_id="a")
     assert server_epoch() not in (None, now)
     # In a caller's transaction the statement leaves the caller's commit alone.

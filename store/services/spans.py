@@ -562,7 +562,7 @@ def span_next_sequence_id(
         alone = not connection.in_atomic_block and connection.get_autocommit()
         sql = _next_sequence_sql(live_key is not None, durable_ok or not alone, alone)
         row = fetch_one_prepared(sql, [count, rollout_id, project.pk, *(live_key or ())])
-        if row is not None and row[1] is None:
+        if row is not None and row[1]:
             # No span epoch (a crash emptied it): this one was durable; start one, so the
             # next may be asynchronous.
             server_epoch(renew=True)
@@ -603,7 +603,8 @@ def _next_sequence_sql(key_checked: bool, durable_ok: bool, alone: bool) -> str:
     """Postgres: one UPDATE of the rollout's row, its counter moved from rules.SPAN_BASE;
     a durable move (rules.SPAN_IDS_DURABLE) also moves the reserve SPAN_ID_BLOCK past the new
     counter. It reads the span epoch itself (no copy a client kept could outlive a crash:
-    behind a pooler a client's connection does) and returns it after the first id. Alone,
+    behind a pooler a client's connection does) and returns whether it found none, after
+    the first id. Alone,
     it sets its commit's mode (SET LOCAL's function form), told
     by the row as written: only a durable move leaves the reserve exactly SPAN_ID_BLOCK past
     the counter (any other move raises the counter and leaves the reserve, which was at most
@@ -621,7 +622,7 @@ def _next_sequence_sql(key_checked: bool, durable_ok: bool, alone: bool) -> str:
         f"FROM (SELECT {EPOCH_SQL} AS e, %s::int4 AS n) c "
         f'WHERE r."id" = %s AND r."project_id" = %s{key}'
         f"{'' if durable_ok else f' AND NOT {durable}'} "
-        f"RETURNING {counter} - c.n, c.e"
+        f"RETURNING {counter} - c.n, c.e IS NULL"
         + (f", set_config('synchronous_commit', CASE WHEN {reserved} - {counter} = {block} "
            "THEN 'on' ELSE 'off' END, true)" if alone else "")
     )
