@@ -10,6 +10,9 @@ WAL writer is slowed to its maximum (10 s), so the completion's own flush is wha
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import httpx
 import psycopg
 import pytest
@@ -118,6 +121,28 @@ def _migrated_with_a_key(cluster) -> tuple[str, str]:
     return url, out.strip().rsplit(" ", 1)[-1]
 
 
+@contextmanager
+def _served(url: str, key: str) -> Iterator[tuple]:
+    """The API server on the private cluster, and a client of its AGL routes with `key`."""
+    server = start_server(workers=1, threads=2, env={"DATABASE_URL": url})
+    try:
+        with httpx.Client(base_url=server.url + "/v1/agl", timeout=30,
+                          headers={"Authorization": f"Bearer {key}"}) as client:
+            yield server, client
+    finally:
+        server.stop()
+
+
+def _wal_not_on_disk(url: str) -> bool:
+    """Whether WAL was written that is not flushed yet (asynchronous commits since the last
+    flush: the WAL writer is slowed to 10 s)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        written, flushed = conn.execute(
+            "SELECT pg_current_wal_insert_lsn(), pg_current_wal_flush_lsn()").fetchone()
+        return conn.execute("SELECT pg_wal_lsn_diff(%s, %s) > 0",
+                            [written, flushed]).fetchone()[0]
+
+
 def _otlp(rid: str, aid: str, index: int) -> bytes:
     from tests.api.test_api_otlp import export_request
 
@@ -132,31 +157,21 @@ def _otlp(rid: str, aid: str, index: int) -> bytes:
 def test_spans_of_a_completed_attempt_survive_a_crash_right_after_the_answer(
         private_postgres, route):
     url, key = _migrated_with_a_key(private_postgres)
-    server = start_server(workers=1, threads=2, env={"DATABASE_URL": url})
-    try:
-        with httpx.Client(base_url=server.url + "/v1/agl", timeout=30,
-                          headers={"Authorization": f"Bearer {key}"}) as client:
-            started = client.post("/rollouts", json={"input": {"x": 1}}).json()
-            rid, aid = started["rollout_id"], started["attempt"]["attempt_id"]
-            for index in range(4):
-                if route == "spans":
-                    answer = client.post("/spans", json=_span(rid, aid, index))
-                    assert answer.status_code == 201, answer.text
-                else:
-                    answer = client.post(server.url + "/v1/traces", content=_otlp(rid, aid, index),
-                                         headers={"Content-Type": "application/x-protobuf"})
-                    assert answer.status_code == 200, answer.text
-            with psycopg.connect(url, autocommit=True) as conn:
-                # The spans' commits were asynchronous: their WAL is not on disk yet.
-                written, flushed = conn.execute(
-                    "SELECT pg_current_wal_insert_lsn(), pg_current_wal_flush_lsn()").fetchone()
-                assert conn.execute("SELECT pg_wal_lsn_diff(%s, %s) > 0",
-                                    [written, flushed]).fetchone()[0]
-            done = client.post(f"/rollouts/{rid}/attempts/{aid}", json={"status": "succeeded"})
-            assert done.status_code == 200, done.text
-            private_postgres.crash()  # the moment the completion is acknowledged
-    finally:
-        server.stop()
+    with _served(url, key) as (server, client):
+        started = client.post("/rollouts", json={"input": {"x": 1}}).json()
+        rid, aid = started["rollout_id"], started["attempt"]["attempt_id"]
+        for index in range(4):
+            if route == "spans":
+                answer = client.post("/spans", json=_span(rid, aid, index))
+                assert answer.status_code == 201, answer.text
+            else:
+                answer = client.post(server.url + "/v1/traces", content=_otlp(rid, aid, index),
+                                     headers={"Content-Type": "application/x-protobuf"})
+                assert answer.status_code == 200, answer.text
+        assert _wal_not_on_disk(url)  # the spans' commits were asynchronous
+        done = client.post(f"/rollouts/{rid}/attempts/{aid}", json={"status": "succeeded"})
+        assert done.status_code == 200, done.text
+        private_postgres.crash()  # the moment the completion is acknowledged
     private_postgres.start()  # recovery replays the WAL that reached the disk
     with psycopg.connect(url) as conn:
         spans = conn.execute("SELECT count(*) FROM store_span WHERE rollout_id = %s",
@@ -175,27 +190,18 @@ def test_ids_handed_out_asynchronously_are_not_handed_out_again_after_a_crash(
     a backend dies (the postmaster stays up and resets: an OOM kill). The first one after
     the recovery (a new span epoch) skips to the reserve, past every id handed out before."""
     url, key = _migrated_with_a_key(private_postgres)
-    server = start_server(workers=1, threads=2, env={"DATABASE_URL": url})
-    try:
-        with httpx.Client(base_url=server.url + "/v1/agl", timeout=30,
-                          headers={"Authorization": f"Bearer {key}"}) as client:
-            started = client.post("/rollouts", json={"input": {"x": 1}}).json()
-            ids = {"rollout_id": started["rollout_id"],
-                   "attempt_id": started["attempt"]["attempt_id"]}
-            handed = [client.post("/spans/next", json=ids).json()["sequence_id"]
-                      for _ in range(5)]
-            assert handed == [1, 2, 3, 4, 5]
-            with psycopg.connect(url, autocommit=True) as conn:
-                written, flushed = conn.execute(
-                    "SELECT pg_current_wal_insert_lsn(), pg_current_wal_flush_lsn()").fetchone()
-                assert conn.execute("SELECT pg_wal_lsn_diff(%s, %s) > 0",
-                                    [written, flushed]).fetchone()[0]
-            if crash == "backend":
-                private_postgres.crash_a_backend()
-            else:
-                private_postgres.crash()
-    finally:
-        server.stop()
+    with _served(url, key) as (_, client):
+        started = client.post("/rollouts", json={"input": {"x": 1}}).json()
+        ids = {"rollout_id": started["rollout_id"],
+               "attempt_id": started["attempt"]["attempt_id"]}
+        handed = [client.post("/spans/next", json=ids).json()["sequence_id"]
+                  for _ in range(5)]
+        assert handed == [1, 2, 3, 4, 5]
+        assert _wal_not_on_disk(url)  # the reservations' commits were asynchronous
+        if crash == "backend":
+            private_postgres.crash_a_backend()
+        else:
+            private_postgres.crash()
     if crash == "stop":
         private_postgres.start()
     with psycopg.connect(url) as conn:
@@ -203,13 +209,8 @@ def test_ids_handed_out_asynchronously_are_not_handed_out_again_after_a_crash(
             "SELECT next_span_sequence_id, span_ids_reserved FROM store_rollout WHERE id = %s",
             [ids["rollout_id"]]).fetchone()
     assert counter <= 6 < reserved  # the reservations lost (some or all), the reserve kept
-    server = start_server(workers=1, threads=2, env={"DATABASE_URL": url})
-    try:
-        with httpx.Client(base_url=server.url + "/v1/agl", timeout=30,
-                          headers={"Authorization": f"Bearer {key}"}) as client:
-            after = client.post("/spans/next", json=ids).json()["sequence_id"]
-            again = client.post("/spans/next", json=ids).json()["sequence_id"]
-    finally:
-        server.stop()
+    with _served(url, key) as (_, client):
+        after = client.post("/spans/next", json=ids).json()["sequence_id"]
+        again = client.post("/spans/next", json=ids).json()["sequence_id"]
     assert after == reserved > max(handed)
     assert again == after + 1
