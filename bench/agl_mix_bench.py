@@ -31,9 +31,11 @@ both servers and Postgres share its cores.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -100,6 +102,13 @@ def start_agl_counted(port: int) -> subprocess.Popen:
     return proc
 
 
+def scratch(prefix: str) -> str:
+    """A temporary folder, removed when the bench exits."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
 def start_runner_parent(args) -> subprocess.Popen:
     """AGL's imports, paid once while the servers start; it forks the runners per server."""
     if not AGL_PYTHON.exists():
@@ -108,7 +117,7 @@ def start_runner_parent(args) -> subprocess.Popen:
         [str(AGL_PYTHON), str(SIDE), "runners", "--runners", str(args.runners),
          "--rounds", str(args.rounds), "--agent", args.agent],
         env={**os.environ, **AGL_ENV}, start_new_session=True, stdin=subprocess.PIPE,
-        cwd=tempfile.mkdtemp(prefix="agl-mix-runners-"),  # AgentOps writes agentops.log here
+        cwd=scratch("agl-mix-runners-"),  # AgentOps writes agentops.log here
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
 
@@ -153,7 +162,7 @@ def measure(name: str, url: str, key: str, server: subprocess.Popen, database: s
     if ours and args.analyze:
         analyze(database)
     runner_url = url.replace("http://", f"http://runner:{key}@") if ours else url
-    out_dir = tempfile.mkdtemp(prefix="agl-mix-")
+    out_dir = scratch("agl-mix-")
     tell(parent, f"run {runner_url} {out_dir}", "ready")
     try:
         time.sleep(args.warmup)
@@ -231,7 +240,7 @@ def run_both(args, parent: subprocess.Popen) -> tuple[dict, dict | None]:
     key = ab.prepare_database()
     database = ab.settings.DATABASES["default"]["NAME"]
     ab.connection.close()
-    metrics_dir = tempfile.mkdtemp(prefix="agl-mix-metrics-")
+    metrics_dir = scratch("agl-mix-metrics-")
     os.environ.update(PROMETHEUS_MULTIPROC_DIR=metrics_dir, METRICS_TOKEN=METRICS_TOKEN)
     server = ab.start_ours("uvicorn", args.workers, args.threads)
     try:
