@@ -88,12 +88,11 @@ def server_epoch(renew: bool = False) -> datetime | None:
         known = None if renew else _epochs.get(raw)
     if known is not None:
         return known
-    with connection.cursor() as cursor:
-        for _ in range(3):  # a concurrent first start: read again
-            cursor.execute(f"SELECT {EPOCH_SQL}")
-            known = cursor.fetchone()[0]
-            if known is not None:
-                break
+    for _ in range(3):  # a concurrent first start: read again
+        known = epoch_now()
+        if known is not None:
+            break
+        with connection.cursor() as cursor:
             cursor.execute(f"INSERT INTO {SPAN_EPOCH_TABLE} (id, started) "
                            "VALUES (1, clock_timestamp()) ON CONFLICT (id) DO NOTHING "
                            "RETURNING started")

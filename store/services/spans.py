@@ -558,22 +558,23 @@ def span_next_sequence_id(
     KeyNotLive and nothing reserved unless it is live."""
     if count < 1:
         raise InvalidInput("count", "must be >= 1")
-    if connection.vendor == "postgresql":
-        alone = not connection.in_atomic_block and connection.get_autocommit()
-        sql = _next_sequence_sql(live_key is not None, durable_ok or not alone, alone)
-        row = fetch_one_prepared(sql, [count, rollout_id, project.pk, *(live_key or ())])
+    postgres = connection.vendor == "postgresql"
+    alone = not connection.in_atomic_block and connection.get_autocommit()
+    sql, params = span_next_sequence_statement(
+        project=project, rollout_id=rollout_id, count=count, live_key=live_key,
+        durable_ok=durable_ok or not alone, alone=alone)
+    if postgres:
+        row = fetch_one_prepared(sql, params)  # prepared once per connection
         if row is not None and row[1]:
             # No span epoch (a crash emptied it): this one was durable; start one, so the
             # next may be asynchronous.
             server_epoch(renew=True)
     else:
-        sql, params = span_next_sequence_statement(project=project, rollout_id=rollout_id,
-                                                   count=count, live_key=live_key)
         with connection.cursor() as cursor:
             cursor.execute(sql, params)
             row = cursor.fetchone()
     if row is None:
-        if not durable_ok and connection.vendor == "postgresql":
+        if not durable_ok and postgres:
             return None  # unknown, a dead key, or one to commit synchronously: the full path
         require_key_live(live_key)
         raise NotFound("rollout", rollout_id)
@@ -604,9 +605,8 @@ def _next_sequence_sql(key_checked: bool, durable_ok: bool, alone: bool) -> str:
     a durable move (rules.SPAN_IDS_DURABLE) also moves the reserve SPAN_ID_BLOCK past the new
     counter. It reads the span epoch itself (no copy a client kept could outlive a crash:
     behind a pooler a client's connection does) and returns whether it found none, after
-    the first id. Alone,
-    it sets its commit's mode (SET LOCAL's function form), told
-    by the row as written: only a durable move leaves the reserve exactly SPAN_ID_BLOCK past
+    the first id. Alone, it sets its commit's mode (SET LOCAL's function form), told by the
+    row as written: only a durable move leaves the reserve exactly SPAN_ID_BLOCK past
     the counter (any other move raises the counter and leaves the reserve, which was at most
     that far past it), so RETURNING, which sees the new row only, tells them apart."""
     table = Rollout._meta.db_table
