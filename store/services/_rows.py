@@ -22,6 +22,7 @@ from django.db import DEFAULT_DB_ALIAS, connection, connections
 from django.db.models import JSONField, Model
 
 from store.models import ApiKey, Attempt, Project, Rollout
+from store.services import _libpq
 
 
 @functools.cache
@@ -319,12 +320,16 @@ def fetch_one_prepared(sql: str, params: list) -> tuple | None:
     db.validate_thread_sharing()
     raw = db.connection
     prepare = db.settings_dict.get("PREPARED_STATEMENTS", True)
-    if prepare and raw.prepare_threshold is None:
-        raw.prepare_threshold = 2**31 - 1  # only what asks for it (prepare=True)
     started = time.monotonic()
-    with db.wrap_database_errors, psycopg.RawCursor(raw) as cursor:
-        cursor.execute(_native(sql), params, prepare=prepare)
-        row = cursor.fetchone()
+    if _libpq.usable(raw):  # its own transaction: one libpq call (store/services/_libpq.py)
+        with db.wrap_database_errors:
+            row = _libpq.run_one(raw, _native(sql), params, prepare)
+    else:
+        if prepare and raw.prepare_threshold is None:
+            raw.prepare_threshold = 2**31 - 1  # only what asks for it (prepare=True)
+        with db.wrap_database_errors, psycopg.RawCursor(raw) as cursor:
+            cursor.execute(_native(sql), params, prepare=prepare)
+            row = cursor.fetchone()
     if db.queries_logged:
         db.queries_log.append({"sql": sql, "time": f"{time.monotonic() - started:.3f}"})
     return row

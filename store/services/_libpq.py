@@ -1,0 +1,107 @@
+"""One statement run through libpq itself, for the hottest statements (`_rows.
+fetch_one_prepared`: a lean request's one statement).
+
+A psycopg cursor runs a statement as a generator driven by a wait loop (send, flush, poll,
+read, one Python step each), and makes a cursor, a transformer and a result wrapper per
+run: about half the web process's CPU for a `spans/next` (bench/span_routes_bench.py).
+Here a statement already prepared on the connection is one call of libpq's
+`PQexecPrepared` (`PGconn.exec_prepared`, which releases the GIL while it waits), with the
+parameters dumped and the row loaded by the connection's own adapters (Django's loaders
+included), so the values are those a cursor gives.
+
+Only in autocommit with no transaction open (a statement that is its own transaction):
+inside Django's `atomic` psycopg opens the transaction with the first statement a cursor
+runs, which libpq called directly would not do. The caller falls back to a cursor then.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any
+
+import psycopg
+from psycopg import errors, pq
+from psycopg.adapt import PyFormat, Transformer
+
+_IDLE = pq.TransactionStatus.IDLE
+_DONE = (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.COMMAND_OK)
+_SQLSTATE = pq.DiagnosticField.SQLSTATE
+_NO_SUCH_NAME = errors.InvalidSqlStatementName.sqlstate.encode()  # 26000
+
+
+class _State:
+    """What one connection keeps: its transformer (its adapters, dumpers cached by type)
+    and the names of the statements prepared on it, per text and parameter types."""
+
+    __slots__ = ("transformer", "names", "counter")
+
+    def __init__(self, raw: psycopg.Connection) -> None:
+        self.transformer = Transformer(raw)
+        self.names: dict[tuple[bytes, tuple], bytes] = {}
+        self.counter = itertools.count()
+
+
+_states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def usable(raw: psycopg.Connection) -> bool:
+    """Whether `run_one` may run a statement on `raw` now: autocommit, no transaction open,
+    no pipeline."""
+    return raw.autocommit and raw.pgconn.transaction_status == _IDLE \
+        and raw._pipeline is None
+
+
+def run_one(raw: psycopg.Connection, sql: bytes, params: list, prepare: bool) -> tuple | None:
+    """Run `sql` (Postgres' own placeholders) with `params`: its first row, or None.
+    `prepare`: prepared on the connection at its first run (a name of this module's own,
+    apart from psycopg's), else bound by the server unnamed each time (a pooler that keeps
+    no prepared statements). Errors are psycopg's, as a cursor raises them."""
+    state = _states.get(raw)
+    if state is None:
+        state = _states[raw] = _State(raw)
+    tx = state.transformer
+    with raw.lock:
+        values = tx.dump_sequence(params, [PyFormat.AUTO] * len(params))
+        pgconn = raw.pgconn
+        if prepare:
+            types = tx.types
+            result = _exec_prepared(raw, state, sql, types, values, tx.formats)
+            if result.status not in _DONE and result.error_field(_SQLSTATE) == _NO_SUCH_NAME:
+                # Deallocated under us (psycopg sends DEALLOCATE ALL after a rollback, a
+                # DROP or an ALTER, so its own names and ours are gone): nothing ran;
+                # prepared again, once.
+                state.names.clear()
+                result = _exec_prepared(raw, state, sql, types, values, tx.formats)
+        else:
+            result = pgconn.exec_params(sql, values, tx.types, tx.formats)
+        _check(raw, result)
+        if not result.ntuples:
+            return None
+        tx.set_pgresult(result)
+        try:
+            return tx.load_row(0, tuple)
+        finally:
+            tx.set_pgresult(None)
+
+
+def _exec_prepared(raw: psycopg.Connection, state: _State, sql: bytes, types: tuple,
+                   values: list, formats: list) -> Any:
+    """The statement run under its name on this connection, prepared first if it has none."""
+    pgconn = raw.pgconn
+    name = state.names.get((sql, types))
+    if name is None:
+        name = b"_lx%d" % next(state.counter)
+        _check(raw, pgconn.prepare(name, sql, types))
+        state.names[(sql, types)] = name
+    result = pgconn.exec_prepared(name, values, formats)
+    if result.status not in _DONE:
+        # A name whose plan the server refuses now (a table altered under it), or one gone:
+        # the next run prepares the statement afresh, under a new name.
+        state.names.pop((sql, types), None)
+    return result
+
+
+def _check(raw: psycopg.Connection, result: Any) -> None:
+    if result.status not in _DONE:
+        raise errors.error_from_result(result, encoding=raw.pgconn._encoding)
