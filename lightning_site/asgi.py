@@ -250,8 +250,7 @@ class Front:
                 return answer
             answer = answer.handler(headers, path, body)
         if answer is not None:
-            http_latency.labels(route).observe(time.perf_counter() - started)
-            http_requests.labels(route, method, str(answer[0])).inc()
+            _count(route, method, answer[0], time.perf_counter() - started)
         return answer
 
     async def _awaited(self, lean: tuple, method: str, path: str, headers: dict, body: bytes
@@ -281,8 +280,7 @@ class Front:
                 if callable(answer):
                     answer = await self.pool.run(answer)
             if answer is not None:
-                http_latency.labels(route).observe(time.perf_counter() - started)
-                http_requests.labels(route, method, str(answer[0])).inc()
+                _count(route, method, answer[0], time.perf_counter() - started)
                 return answer
         return await self.pool.run(self._fast, lean, method, path, headers, body)
 
@@ -362,6 +360,21 @@ class Front:
                 await self.awaited.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+
+# (route, method, status) -> its latency histogram's and request counter's children: a
+# lean request is counted in /metrics as Django's are, without `labels()` (a lock and a
+# lookup each) per request. Bounded: the lean routes are few, and so are their statuses.
+_counted: dict[tuple[str, str, int], tuple[Any, Any]] = {}
+
+
+def _count(route: str, method: str, status: int, seconds: float) -> None:
+    children = _counted.get((route, method, status))
+    if children is None:
+        children = _counted[(route, method, status)] = (
+            http_latency.labels(route), http_requests.labels(route, method, str(status)))
+    children[0].observe(seconds)
+    children[1].inc()
 
 
 def _detail(message: str) -> bytes:

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from django.conf import settings
+from django.core.signals import setting_changed
+from django.dispatch import receiver
 from django.http.request import split_domain_port, validate_host
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
@@ -51,9 +53,30 @@ def enabled() -> bool:
                 or settings.SECURE_PROXY_SSL_HEADER)
 
 
+# _headers' answer, made once from the settings it reads (a settings read costs a lookup
+# through Django's lazy settings object each: several per request); forgotten, as the
+# hosts' verdicts below, when a setting changes (tests' override_settings).
+_security_headers: tuple[tuple[bytes, bytes], ...] | None = None
+
+
+@receiver(setting_changed)
+def _forget_settings(**kwargs: Any) -> None:
+    global _security_headers
+    _security_headers = None
+    _hosts_seen.clear()
+
+
 def _headers() -> list[tuple[bytes, bytes]]:
     """The headers Django's path gives a successful OTLP answer (DRF's Allow, the security
-    and clickjacking middleware's)."""
+    and clickjacking middleware's): a new list each time (callers change it)."""
+    global _security_headers
+    made = _security_headers
+    if made is None:
+        made = _security_headers = tuple(_made_headers())
+    return list(made)
+
+
+def _made_headers() -> list[tuple[bytes, bytes]]:
     headers = [(b"content-type", otlp.PROTOBUF.encode()), (b"allow", b"POST, OPTIONS")]
     if settings.SECURE_CONTENT_TYPE_NOSNIFF:
         headers.append((b"x-content-type-options", b"nosniff"))
@@ -69,23 +92,21 @@ def _headers() -> list[tuple[bytes, bytes]]:
     return headers
 
 
-_hosts_seen: dict[tuple, bool] = {}  # (host, ALLOWED_HOSTS, DEBUG) -> allowed
+_hosts_seen: dict[str, bool] = {}  # host -> allowed, under the settings now
 
 
 def _host_allowed(host: str) -> bool:
-    """Django's Host check (`HttpRequest.get_host`), remembered per host and settings (a
-    runner sends the same Host on every request)."""
-    allowed = settings.ALLOWED_HOSTS
-    debug = settings.DEBUG
-    seen = (host, tuple(allowed), debug)
-    verdict = _hosts_seen.get(seen)
+    """Django's Host check (`HttpRequest.get_host`), remembered per host (a runner sends the
+    same Host on every request) until a setting changes."""
+    verdict = _hosts_seen.get(host)
     if verdict is None:
-        if debug and not allowed:
+        allowed = settings.ALLOWED_HOSTS
+        if settings.DEBUG and not allowed:
             allowed = [".localhost", "127.0.0.1", "[::1]"]
         domain, _ = split_domain_port(host)
         verdict = bool(domain) and validate_host(domain, allowed)
         if len(_hosts_seen) < 256:  # hosts are whatever clients send: bounded
-            _hosts_seen[seen] = verdict
+            _hosts_seen[host] = verdict
     return verdict
 
 

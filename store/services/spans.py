@@ -14,7 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from django.db import DataError, connection, transaction
-from django.db.models import CharField, JSONField
+from django.db.models import CharField, FloatField, JSONField
 from django.db.models.base import ModelState
 from django.utils import timezone
 from psycopg import errors as pg_errors
@@ -470,7 +470,17 @@ def _span_plan() -> tuple[tuple[str, Any], ...]:
         return lambda value: None if value is None else json.dumps(value, cls=field.encoder)
 
     def prepared(field):
-        return lambda value: field.get_db_prep_save(value, connection)
+        # What the field's own preparation gives back unchanged (a string for text, a float
+        # for a float, None), passed as it is: a span's values nearly always are.
+        kept = (str if isinstance(field, CharField) else
+                float if isinstance(field, FloatField) else None)
+
+        def prepare(value):
+            if value is None or type(value) is kept:
+                return value
+            return field.get_db_prep_save(value, connection)
+
+        return prepare
 
     return tuple((f.attname, json_text(f) if isinstance(f, JSONField) else prepared(f))
                  for f in Span._meta.concrete_fields if f.attname not in _IDS)
