@@ -23,6 +23,7 @@ from rest_framework.request import Request
 
 from store import services, waits
 from store.models import ApiKey, Project
+from store.services._rows import pk_only
 
 RUNNER = ApiKey.Role.RUNNER.value
 ALGORITHM = ApiKey.Role.ALGORITHM.value
@@ -125,7 +126,7 @@ def cached_key_lean(raw: str) -> LeanKey | None:
         _lean_cache.move_to_end(digest)
     pk, project_id, db, role, name, _ = hit
     # The project by its pk alone (its other fields load if ever read): never stale.
-    project = Project.from_db(db, ["id"], [project_id])
+    project = pk_only(Project, db, project_id)
     return LeanKey(pk, project, role, name, (pk, role))
 
 
