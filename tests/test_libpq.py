@@ -121,3 +121,14 @@ def test_statements_deallocated_under_it_are_prepared_again():
     assert fetch_one_prepared("SELECT %s::int4 + 1", [2]) == (3,)
     assert fetch_one_prepared("SELECT %s::int4 + 1", [3]) == (4,)
     assert len({n for n in _prepared_names() if n.startswith("_lx")}) == 1
+
+
+def test_at_most_max_prepared_statements_are_kept(monkeypatch):
+    monkeypatch.setattr(_libpq, "MAX_PREPARED", 3)
+    for n in range(5):
+        assert fetch_one_prepared(f"SELECT %s::int4 + {n}", [1]) == (1 + n,)
+    kept = {n for n in _prepared_names() if n.startswith("_lx")}
+    assert len(kept) == 3
+    # The oldest went first; the others still run under their names.
+    assert fetch_one_prepared("SELECT %s::int4 + 4", [1]) == (5,)
+    assert {n for n in _prepared_names() if n.startswith("_lx")} == kept

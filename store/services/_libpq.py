@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from collections import OrderedDict
 from typing import Any
 
 import psycopg
@@ -38,11 +39,12 @@ class _State:
 
     def __init__(self, raw: psycopg.Connection) -> None:
         self.transformer = Transformer(raw)
-        self.names: dict[tuple[bytes, tuple], bytes] = {}
+        self.names: OrderedDict[tuple[bytes, tuple], bytes] = OrderedDict()  # oldest first
         self.counter = itertools.count()
 
 
 _states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+MAX_PREPARED = 100  # statements prepared per connection, the least recently run dropped
 
 
 def usable(raw: psycopg.Connection) -> bool:
@@ -89,11 +91,18 @@ def _exec_prepared(raw: psycopg.Connection, state: _State, sql: bytes, types: tu
                    values: list, formats: list) -> Any:
     """The statement run under its name on this connection, prepared first if it has none."""
     pgconn = raw.pgconn
-    name = state.names.get((sql, types))
+    names = state.names
+    name = names.get((sql, types))
     if name is None:
+        if len(names) >= MAX_PREPARED:
+            # As psycopg bounds its own (prepared_max): an export's statement is one per
+            # batch size and parameter types, each plan held by the server.
+            _check(raw, pgconn.exec_(b"DEALLOCATE " + names.popitem(last=False)[1]))
         name = b"_lx%d" % next(state.counter)
         _check(raw, pgconn.prepare(name, sql, types))
-        state.names[(sql, types)] = name
+        names[(sql, types)] = name
+    else:
+        names.move_to_end((sql, types))
     result = pgconn.exec_prepared(name, values, formats)
     if result.status not in _DONE:
         # A name whose plan the server refuses now (a table altered under it), or one gone:
