@@ -25,6 +25,23 @@ def _params() -> list:
             ["x", "y,z"], '{"a": [1, 2.5, null]}', True]
 
 
+@pytest.fixture
+def table():
+    """A table of its own (`id int PRIMARY KEY`), dropped after the test."""
+    name = f"libpq_{uuid.uuid4().hex[:8]}"
+    with connection.cursor() as cursor:
+        cursor.execute(f"CREATE TABLE {name} (id int PRIMARY KEY)")
+    yield name
+    with connection.cursor() as cursor:
+        cursor.execute(f"DROP TABLE {name}")
+
+
+def _count(table: str) -> int:
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT count(*) FROM {table}")
+        return cursor.fetchone()[0]
+
+
 def _prepared_names() -> set[str]:
     with connection.cursor() as cursor:
         cursor.execute("SELECT name FROM pg_prepared_statements")
@@ -46,43 +63,25 @@ def test_values_are_a_cursors_and_the_statement_is_prepared_once():
     assert fetch_one_prepared("SELECT 1 WHERE false", []) is None
 
 
-def test_errors_are_djangos_and_leave_no_transaction_open():
-    table = f"libpq_{uuid.uuid4().hex[:8]}"
-    with connection.cursor() as cursor:
-        cursor.execute(f"CREATE TABLE {table} (id int PRIMARY KEY)")
-    try:
-        insert = f"INSERT INTO {table} VALUES (%s) RETURNING id"
-        assert fetch_one_prepared(insert, [1]) == (1,)
-        with pytest.raises(IntegrityError):
-            fetch_one_prepared(insert, [1])
-        with pytest.raises(DataError):
-            fetch_one_prepared("SELECT %s::int4 / 0", [1])
-        assert connection.connection.info.transaction_status == 0  # idle: nothing open
-        assert fetch_one_prepared(insert, [2]) == (2,)  # the connection still serves
-        with connection.cursor() as cursor:
-            cursor.execute(f"SELECT count(*) FROM {table}")
-            assert cursor.fetchone()[0] == 2  # each committed on its own
-    finally:
-        with connection.cursor() as cursor:
-            cursor.execute(f"DROP TABLE {table}")
+def test_errors_are_djangos_and_leave_no_transaction_open(table):
+    insert = f"INSERT INTO {table} VALUES (%s) RETURNING id"
+    assert fetch_one_prepared(insert, [1]) == (1,)
+    with pytest.raises(IntegrityError):
+        fetch_one_prepared(insert, [1])
+    with pytest.raises(DataError):
+        fetch_one_prepared("SELECT %s::int4 / 0", [1])
+    assert connection.connection.info.transaction_status == 0  # idle: nothing open
+    assert fetch_one_prepared(insert, [2]) == (2,)  # the connection still serves
+    assert _count(table) == 2  # each committed on its own
 
 
-def test_inside_atomic_the_statement_is_the_transactions():
-    table = f"libpq_{uuid.uuid4().hex[:8]}"
-    with connection.cursor() as cursor:
-        cursor.execute(f"CREATE TABLE {table} (id int PRIMARY KEY)")
-    try:
-        with pytest.raises(RuntimeError), transaction.atomic():
-            assert not _libpq.usable(connection.connection)
-            assert fetch_one_prepared(f"INSERT INTO {table} VALUES (%s) RETURNING id",
-                                      [1]) == (1,)
-            raise RuntimeError("roll back")
-        with connection.cursor() as cursor:
-            cursor.execute(f"SELECT count(*) FROM {table}")
-            assert cursor.fetchone()[0] == 0  # rolled back with the transaction
-    finally:
-        with connection.cursor() as cursor:
-            cursor.execute(f"DROP TABLE {table}")
+def test_inside_atomic_the_statement_is_the_transactions(table):
+    with pytest.raises(RuntimeError), transaction.atomic():
+        assert not _libpq.usable(connection.connection)
+        assert fetch_one_prepared(f"INSERT INTO {table} VALUES (%s) RETURNING id",
+                                  [1]) == (1,)
+        raise RuntimeError("roll back")
+    assert _count(table) == 0  # rolled back with the transaction
 
 
 def test_without_prepared_statements_nothing_is_prepared(monkeypatch):
@@ -93,22 +92,16 @@ def test_without_prepared_statements_nothing_is_prepared(monkeypatch):
     assert _prepared_names() == before
 
 
-def test_a_statement_whose_plan_the_server_refuses_is_prepared_again():
-    table = f"libpq_{uuid.uuid4().hex[:8]}"
+def test_a_statement_whose_plan_the_server_refuses_is_prepared_again(table):
     with connection.cursor() as cursor:
-        cursor.execute(f"CREATE TABLE {table} (a int)")
         cursor.execute(f"INSERT INTO {table} VALUES (1)")
-    try:
-        select = f"SELECT * FROM {table} WHERE a = %s"
-        assert fetch_one_prepared(select, [1]) == (1,)
-        with connection.cursor() as cursor:
-            cursor.execute(f"ALTER TABLE {table} ADD COLUMN b int DEFAULT 5")
-        with pytest.raises(NotSupportedError):  # cached plan must not change result type
-            fetch_one_prepared(select, [1])
-        assert fetch_one_prepared(select, [1]) == (1, 5)
-    finally:
-        with connection.cursor() as cursor:
-            cursor.execute(f"DROP TABLE {table}")
+    select = f"SELECT * FROM {table} WHERE id = %s"
+    assert fetch_one_prepared(select, [1]) == (1,)
+    with connection.cursor() as cursor:
+        cursor.execute(f"ALTER TABLE {table} ADD COLUMN b int DEFAULT 5")
+    with pytest.raises(NotSupportedError):  # cached plan must not change result type
+        fetch_one_prepared(select, [1])
+    assert fetch_one_prepared(select, [1]) == (1, 5)
 
 
 def test_statements_deallocated_under_it_are_prepared_again():
