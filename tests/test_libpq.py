@@ -125,3 +125,16 @@ def test_at_most_max_prepared_statements_are_kept(monkeypatch):
     # The oldest went first; the others still run under their names.
     assert fetch_one_prepared("SELECT %s::int4 + 4", [1]) == (5,)
     assert {n for n in _prepared_names() if n.startswith("_lx")} == kept
+
+
+def test_the_oldest_statement_gone_already_is_no_error(monkeypatch):
+    """At the bound, the least recently run statement is deallocated; one a DEALLOCATE ALL
+    took already is no error: all were taken, and the new one is prepared."""
+    monkeypatch.setattr(_libpq, "MAX_PREPARED", 2)
+    assert fetch_one_prepared("SELECT %s::int4 + 10", [1]) == (11,)
+    assert fetch_one_prepared("SELECT %s::int4 + 20", [1]) == (21,)
+    with connection.cursor() as cursor:
+        cursor.execute("DEALLOCATE ALL")
+    assert fetch_one_prepared("SELECT %s::int4 + 30", [1]) == (31,)
+    assert fetch_one_prepared("SELECT %s::int4 + 10", [1]) == (11,)
+    assert len({n for n in _prepared_names() if n.startswith("_lx")}) == 2

@@ -3,7 +3,9 @@ fetch_one_prepared`: a lean request's one statement).
 
 A psycopg cursor runs a statement as a generator driven by a wait loop (send, flush, poll,
 read, one Python step each), and makes a cursor, a transformer and a result wrapper per
-run: about half the web process's CPU for a `spans/next` (bench/span_routes_bench.py).
+run: about 120 us of CPU for the `spans/next` statement, against 60 as one libpq call (of a
+`spans/next` request's 300 or so in the web process; README "Tenth pass on AGL's runner
+mix").
 Here a statement already prepared on the connection is one call of libpq's
 `PQexecPrepared` (`PGconn.exec_prepared`, which releases the GIL while it waits), with the
 parameters dumped and the row loaded by the connection's own adapters (Django's loaders
@@ -51,7 +53,7 @@ def usable(raw: psycopg.Connection) -> bool:
     """Whether `run_one` may run a statement on `raw` now: autocommit, no transaction open,
     no pipeline."""
     return raw.autocommit and raw.pgconn.transaction_status == _IDLE \
-        and raw._pipeline is None
+        and getattr(raw, "_pipeline", None) is None
 
 
 def run_one(raw: psycopg.Connection, sql: bytes, params: list, prepare: bool) -> tuple | None:
@@ -97,7 +99,11 @@ def _exec_prepared(raw: psycopg.Connection, state: _State, sql: bytes, types: tu
         if len(names) >= MAX_PREPARED:
             # As psycopg bounds its own (prepared_max): an export's statement is one per
             # batch size and parameter types, each plan held by the server.
-            _check(raw, pgconn.exec_(b"DEALLOCATE " + names.popitem(last=False)[1]))
+            done = pgconn.exec_(b"DEALLOCATE " + names.popitem(last=False)[1])
+            if done.status not in _DONE:
+                if done.error_field(_SQLSTATE) != _NO_SUCH_NAME:
+                    _check(raw, done)
+                names.clear()  # a DEALLOCATE ALL took them all
         name = b"_lx%d" % next(state.counter)
         _check(raw, pgconn.prepare(name, sql, types))
         names[(sql, types)] = name
@@ -113,4 +119,4 @@ def _exec_prepared(raw: psycopg.Connection, state: _State, sql: bytes, types: tu
 
 def _check(raw: psycopg.Connection, result: Any) -> None:
     if result.status not in _DONE:
-        raise errors.error_from_result(result, encoding=raw.pgconn._encoding)
+        raise errors.error_from_result(result, encoding=raw.info.encoding)
