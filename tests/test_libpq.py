@@ -138,3 +138,16 @@ def test_the_oldest_statement_gone_already_is_no_error(monkeypatch):
     assert fetch_one_prepared("SELECT %s::int4 + 30", [1]) == (31,)
     assert fetch_one_prepared("SELECT %s::int4 + 10", [1]) == (11,)
     assert len({n for n in _prepared_names() if n.startswith("_lx")}) == 2
+
+
+def test_notices_reach_the_connections_handlers():
+    """libpq calls psycopg's notice receiver inside the call (the GIL released around it)."""
+    connection.ensure_connection()
+    seen: list[str] = []
+    connection.connection.add_notice_handler(lambda notice: seen.append(notice.message_primary))
+    with connection.cursor() as cursor:
+        cursor.execute("CREATE FUNCTION pg_temp.noisy() RETURNS int AS $$ BEGIN "
+                       "RAISE NOTICE 'hello'; RETURN 1; END $$ LANGUAGE plpgsql")
+    assert [fetch_one_prepared("SELECT pg_temp.noisy() + %s::int4", [n])
+            for n in range(2)] == [(1,), (2,)]
+    assert seen == ["hello", "hello"]
