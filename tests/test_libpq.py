@@ -9,7 +9,8 @@ import datetime as dt
 import uuid
 
 import pytest
-from django.db import DataError, IntegrityError, NotSupportedError, connection, transaction
+from django.db import (DataError, IntegrityError, NotSupportedError, OperationalError, connection,
+                       connections, transaction)
 
 from store.services import _libpq
 from store.services._rows import fetch_one_prepared
@@ -151,3 +152,20 @@ def test_notices_reach_the_connections_handlers():
     assert [fetch_one_prepared("SELECT pg_temp.noisy() + %s::int4", [n])
             for n in range(2)] == [(1,), (2,)]
     assert seen == ["hello", "hello"]
+
+
+def test_a_lost_connection_is_an_operational_error_as_a_cursors():
+    """Retries and Django's connection handling know an OperationalError for a connection
+    to drop and open again (libpq's own error result has no SQLSTATE)."""
+    assert fetch_one_prepared("SELECT %s::int4", [1]) == (1,)
+    pid = connection.connection.info.backend_pid
+    killer = connections.create_connection("default")
+    try:
+        with killer.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(%s, 5000)", [pid])
+    finally:
+        killer.close()
+    with pytest.raises(OperationalError):
+        fetch_one_prepared("SELECT %s::int4", [2])
+    connection.close_if_unusable_or_obsolete()
+    assert fetch_one_prepared("SELECT %s::int4", [3]) == (3,)

@@ -28,6 +28,7 @@ from psycopg import errors, pq
 from psycopg.adapt import PyFormat, Transformer
 
 _IDLE = pq.TransactionStatus.IDLE
+_BAD = pq.ConnStatus.BAD
 _DONE = (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.COMMAND_OK)
 _SQLSTATE = pq.DiagnosticField.SQLSTATE
 _NO_SUCH_NAME = errors.InvalidSqlStatementName.sqlstate.encode()  # 26000
@@ -118,5 +119,12 @@ def _exec_prepared(raw: psycopg.Connection, state: _State, sql: bytes, types: tu
 
 
 def _check(raw: psycopg.Connection, result: Any) -> None:
-    if result.status not in _DONE:
-        raise errors.error_from_result(result, encoding=raw.info.encoding)
+    if result.status in _DONE:
+        return
+    if raw.pgconn.status == _BAD:
+        # The connection was lost (libpq's own error result, without a SQLSTATE): an
+        # OperationalError, as a cursor raises it, which callers' retries and Django's
+        # connection handling know for a connection to drop and open again.
+        raise errors.OperationalError(result.error_message.decode(raw.info.encoding,
+                                                                  "replace").strip())
+    raise errors.error_from_result(result, encoding=raw.info.encoding)
