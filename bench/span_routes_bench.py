@@ -6,19 +6,20 @@ figures; asserts nothing. Not a test.
         [--server uvicorn|gunicorn]
 
 Our server (as bench/api_bench.py starts it, with its own default number of processes unless
-`--workers` says otherwise), 16 runner threads, each on a rollout of its
-own (claimed before the measurement) with a keep-alive client of its own, each span one
-request or two, in four phases of `--spans` spans each, run in turn in `--rounds` rounds (a
-machine whose speed drifts by a fifth within a minute, as shared ones do, then slows every
-phase alike, not the one that ran during the slow spell): (1) OTLP/HTTP protobuf to `/v1/traces` (one span per request, as AGL's
-exporter sends them); (2) `POST /v1/agl/spans/next` alone; (3) `POST /v1/agl/spans` alone
-(the span as AGL's client sends it, its sequence id left to the store); (4) what AGL's
-client sends per span it adds as JSON (`add_otel_span`): `spans/next`, then `spans` with that
-id; and (5) the floor of a second request per span: `GET /v1/agl/resources/{id}`, the
-cheapest lean request (one short SELECT, nothing written), whose cost plus (3)'s is what
-any pair of requests per span costs at least. For each: server CPU per span (web processes + the benchmark database's Postgres
-backends, bench/serverstats.py), spans/s, p50/p99 per request. `--server gunicorn` runs
-Django alone (no lean paths): the figures before them.
+`--workers` says otherwise), 16 runner threads, each on a rollout of its own (claimed before
+the measurement) with a keep-alive client of its own, each span one request or two, in four
+phases of `--spans` spans each, run in turn in `--rounds` rounds (a machine whose speed
+drifts by a fifth within a minute, as shared ones do, then slows every phase alike, not the
+one that ran during the slow spell): (1) OTLP/HTTP protobuf to `/v1/traces` (one span per
+request, as AGL's exporter sends them); (2) `POST /v1/agl/spans/next` alone; (3) `POST
+/v1/agl/spans` alone (the span as AGL's client sends it, its sequence id left to the store);
+(4) what AGL's client sends per span it adds as JSON (`add_otel_span`): `spans/next`, then
+`spans` with that id; and (5) the floor of a second request per span: `GET
+/v1/agl/resources/{id}`, the cheapest lean request (one short SELECT, nothing written),
+whose cost plus (3)'s is what any pair of requests per span costs at least. For each: server
+CPU per span (web processes + the benchmark database's Postgres backends,
+bench/serverstats.py), spans/s, p50/p99 per request. `--server gunicorn` runs Django alone
+(no lean paths): the figures before them.
 
 Uses (and empties) its own database, whose name must contain "bench"; port BENCH_PORT_BASE
 (default 18090).
@@ -129,7 +130,7 @@ def phase(name: str, clients: list, server, database: str, targets: list, spans:
     meter = CpuMeter(server.pid, database)
     meter.start()
     tally.elapsed += ab.run_threads(runner, [(client, *target) for client, target
-                                             in zip(clients, targets[:RUNNERS])])
+                                             in zip(clients, targets[:RUNNERS], strict=True)])
     cpu = meter.stop()
     tally.web += cpu["web"]
     tally.pg += cpu["postgres"]

@@ -74,6 +74,20 @@ def backdate(attempt: Attempt, seconds: float) -> None:
     )
 
 
+def terminate_backend() -> None:
+    """The server ends this thread's database connection (Django does not know yet), as a
+    Postgres restart or an idle timeout would."""
+    from django.db import connection, connections
+
+    pid = connection.connection.info.backend_pid
+    killer = connections.create_connection("default")
+    try:
+        with killer.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(%s, 5000)", [pid])
+    finally:
+        killer.close()
+
+
 def now():
     return timezone.now()
 

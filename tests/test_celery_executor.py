@@ -196,20 +196,13 @@ def test_the_in_process_gateway_finishes_through_a_lost_database_connection(proj
     """Finding 2: one OperationalError while finishing made the task's autoretry re-run it;
     the re-run claimed nothing and the sweep later failed a rollout whose agent succeeded.
     Here the gateway's own connection is killed by the server before the finish."""
-    from django.db import connection, connections
-
     from core.retry import RetryPolicy
+    from tests.conftest import terminate_backend
 
     services.rollout_enqueue(project=project, spec=RolloutSpec(input={"i": 1}))
     gateway = LocalGateway(project, retry=RetryPolicy(retries=3, backoff=0.01))
     claim = gateway.claim(worker_id="w-test")[0]
-    pid = connection.connection.info.backend_pid
-    killer = connections.create_connection("default")
-    try:
-        with killer.cursor() as cursor:
-            cursor.execute("SELECT pg_terminate_backend(%s, 5000)", [pid])
-    finally:
-        killer.close()
+    terminate_backend()
     gateway.finish(rollout_id=claim.rollout_id, attempt_id=claim.attempt_id, status="succeeded")
     rollout = selectors.rollout_get(project=project, rollout_id=claim.rollout_id)
     assert rollout.status == "succeeded" and rollout.latest_attempt.status == "succeeded"

@@ -9,11 +9,18 @@ import datetime as dt
 import uuid
 
 import pytest
-from django.db import (DataError, IntegrityError, NotSupportedError, OperationalError, connection,
-                       connections, transaction)
+from django.db import (
+    DataError,
+    IntegrityError,
+    NotSupportedError,
+    OperationalError,
+    connection,
+    transaction,
+)
 
 from store.services import _libpq
 from store.services._rows import fetch_one_prepared
+from tests.conftest import terminate_backend
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
@@ -158,13 +165,7 @@ def test_a_lost_connection_is_an_operational_error_as_a_cursors():
     """Retries and Django's connection handling know an OperationalError for a connection
     to drop and open again (libpq's own error result has no SQLSTATE)."""
     assert fetch_one_prepared("SELECT %s::int4", [1]) == (1,)
-    pid = connection.connection.info.backend_pid
-    killer = connections.create_connection("default")
-    try:
-        with killer.cursor() as cursor:
-            cursor.execute("SELECT pg_terminate_backend(%s, 5000)", [pid])
-    finally:
-        killer.close()
+    terminate_backend()
     with pytest.raises(OperationalError):
         fetch_one_prepared("SELECT %s::int4", [2])
     connection.close_if_unusable_or_obsolete()
